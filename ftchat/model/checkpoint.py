@@ -1,0 +1,216 @@
+"""Reading a qwen4_exp checkpoint folder: config, sharded safetensors, bf16 or NVFP4 (two dialects).
+
+Dense weights come back as one name -> tensor dict (names relative to the text-model prefix);
+routed experts come back one layer at a time as packed rows [E, R] (ftchat.model.rows layout),
+which is what the host store holds. Every problem is one ModelError naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from ftchat.errors import ModelError
+from ftchat.model import nvfp4
+from ftchat.model.config import ModelArgs, read_config_json
+from ftchat.model.rows import RowLayout
+from ftchat.model.spec import dense_specs, expert_name, expert_specs
+
+PREFIXES = ("model.language_model.", "model.")
+BF16 = "bf16"  # any unquantized float checkpoint
+INDEX = "model.safetensors.index.json"
+
+
+class Checkpoint:
+    """A checkpoint folder: which file holds which tensor, the text prefix and the format."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise ModelError(f"{self.folder}: no such model folder")
+        self.hf_config = read_config_json(self.folder)
+        self.args = ModelArgs.from_hf(self.hf_config)
+        self.files = self._index()  # tensor name -> shard path
+        self.prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in self.files), None)
+        if self.prefix is None:
+            raise ModelError(f"{self.folder}: no embed_tokens.weight under {' or '.join(PREFIXES)}")
+        self.format = self._detect_format()
+        self._handles: dict[Path, object] = {}
+
+    # ===== files and tensors =====
+    def _index(self) -> dict[str, Path]:
+        idx = self.folder / INDEX
+        if idx.is_file():
+            try:
+                weight_map = json.loads(idx.read_text())["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ModelError(f"{idx}: unreadable index ({e})") from None
+            files = {name: self.folder / f for name, f in weight_map.items()}
+            for name, f in files.items():
+                if not f.is_file():
+                    raise ModelError(f"{f}: missing shard (the index lists {name} in it)")
+            return files
+        single = self.folder / "model.safetensors"
+        if not single.is_file():
+            raise ModelError(f"{self.folder}: no {INDEX} and no model.safetensors")
+        return {name: single for name in self._open(single).keys()}
+
+    def _open(self, path: Path):
+        h = getattr(self, "_handles", {}).get(path)
+        if h is None:
+            try:
+                h = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError, ValueError) as e:
+                raise ModelError(f"{path}: unreadable safetensors file ({e})") from None
+            if hasattr(self, "_handles"):
+                self._handles[path] = h
+        return h
+
+    def has(self, name: str) -> bool:
+        return self._full(name) in self.files
+
+    def _full(self, name: str) -> str:
+        return name if name.startswith("lm_head.") else self.prefix + name
+
+    def get(self, name: str, shape: tuple[int, ...] | None = None) -> Tensor:
+        """Tensor `name` (relative to the text prefix), checked against `shape` when given."""
+        full = self._full(name)
+        path = self.files.get(full)
+        if path is None:
+            raise ModelError(f"{self.folder}: tensor {full} missing from the checkpoint")
+        try:
+            t = self._open(path).get_tensor(full)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise ModelError(f"{path}: cannot read tensor {full} ({e})") from None
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            raise ModelError(
+                f"{path}: tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
+        return t
+
+    # ===== format =====
+    def _detect_format(self) -> str:
+        qc = self.hf_config.get("quantization_config") or self.hf_config.get(
+            "text_config", {}).get("quantization_config")
+        hf_quant = self.folder / "hf_quant_config.json"
+        if qc is None and hf_quant.is_file():
+            try:
+                q = json.loads(hf_quant.read_text()).get("quantization", {})
+            except (OSError, ValueError) as e:
+                raise ModelError(f"{hf_quant}: unreadable ({e})") from None
+            qc = {"quant_method": "modelopt", **q}
+        dialect = nvfp4.dialect_from_quant_config(qc) if qc else None
+        probe = self.prefix + expert_name(0, 0, "gate_proj")
+        found = nvfp4.detect_dialect(self.files, probe)
+        if dialect is not None and found is not None and found != dialect:
+            raise ModelError(f"{self.folder}: quantization config says {dialect}, tensors say {found}")
+        return dialect or found or BF16
+
+    def row_layout(self, dtype: torch.dtype | None = None) -> RowLayout:
+        a = self.args
+        if self.format == BF16:
+            dt = dtype or self._expert_dtype()
+            return RowLayout("bf16", a.hidden_size, a.moe_intermediate_size, dt)
+        return RowLayout("nvfp4", a.hidden_size, a.moe_intermediate_size)
+
+    def _expert_dtype(self) -> torch.dtype:
+        name = self.prefix + expert_name(0, 0, "gate_proj") + ".weight"
+        if name not in self.files:
+            name = self.prefix + "layers.0.mlp.experts.gate_up_proj"
+        if name not in self.files:
+            raise ModelError(f"{self.folder}: no routed expert weights for layer 0")
+        return self._open(self.files[name]).get_slice(name).get_dtype() == "F32" and torch.float32 \
+            or torch.bfloat16
+
+    # ===== dense weights =====
+    def linear(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A [out, in] weight `name` (ending in .weight), dequantized when stored as NVFP4."""
+        base = name[: -len(".weight")]
+        for dialect in nvfp4.DIALECTS:
+            names = nvfp4.tensor_names(dialect, base)
+            if self.has(names["packed"]) and self.has(names["block_scale"]) and (
+                    dialect != nvfp4.MODELOPT or self.has(names["global"])):
+                packed, scale, g = nvfp4.from_checkpoint(dialect, self.get, base)
+                w = nvfp4.dequantize(packed, scale, g)
+                if tuple(w.shape) != tuple(shape):
+                    raise ModelError(f"{self.folder}: NVFP4 tensor {base} dequantizes to "
+                                     f"{list(w.shape)}, expected {list(shape)}")
+                return w
+        return self.get(name, shape)
+
+    def dense(self, dtype: torch.dtype, device: str | torch.device = "cpu",
+              progress: Callable[[int, int], None] | None = None) -> dict[str, Tensor]:
+        """Every non-expert weight, cast to dtype (int64 buffers kept), PLE shards concatenated."""
+        a = self.args
+        specs = dense_specs(a)
+        out: dict[str, Tensor] = {}
+        shards: dict[str, list[Tensor]] = {}
+        for n, (name, spec) in enumerate(specs.items()):
+            if ".ngram_embedding.shard_" in name:
+                t = self.get(name, spec.shape)
+                scale = name.rsplit(".shard_", 1)[0] + ".weight_scale"
+                if t.dtype == torch.float8_e4m3fn and self.has(scale):
+                    t = t.float() * self.get(scale).float()
+                shards.setdefault(name.split(".shard_")[0] + ".weight", []).append(t.to(dtype))
+                continue
+            if spec.init == "int64":
+                t = self.get(name, spec.shape)
+            elif name.endswith(".weight") and spec.quantizable:
+                t = self.linear(name, spec.shape)
+            else:
+                t = self.get(name, spec.shape)
+            out[name] = t.to(device) if t.dtype == torch.int64 else t.to(device, dtype)
+            if progress:
+                progress(n + 1, len(specs))
+        for name, parts in shards.items():
+            out[name] = torch.cat(parts)  # the n-gram table stays on the host (ARCH 7.4)
+        out["lm_head.weight"] = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size)).to(
+            device, dtype)
+        return out
+
+    # ===== routed experts =====
+    def expert_rows(self, layer: int, layout: RowLayout) -> Tensor:
+        """All routed experts of `layer` as packed rows [E, R] uint8."""
+        a = self.args
+        rows = torch.empty(a.num_experts, layout.nbytes, dtype=torch.uint8)
+        stacked = f"layers.{layer}.mlp.experts.gate_up_proj"
+        if self.format == BF16 and self.has(stacked):
+            gu = self.get(stacked, (a.num_experts, 2 * a.moe_intermediate_size, a.hidden_size))
+            dn = self.get(f"layers.{layer}.mlp.experts.down_proj",
+                          (a.num_experts, a.hidden_size, a.moe_intermediate_size))
+            for e in range(a.num_experts):
+                rows[e] = layout.pack({"gate_up": gu[e], "down": dn[e]})
+            return rows
+        for e in range(a.num_experts):
+            rows[e] = layout.pack(self._expert_parts(layer, e))
+        return rows
+
+    def _expert_parts(self, layer: int, e: int) -> dict[str, Tensor]:
+        shapes = expert_specs(self.args)
+        if self.format == BF16:
+            w = {p: self.get(expert_name(layer, e, p) + ".weight", s) for p, s in shapes.items()}
+            return {"gate_up": torch.cat([w["gate_proj"], w["up_proj"]]), "down": w["down_proj"]}
+        q = {}
+        for p, (n, k) in shapes.items():
+            base = expert_name(layer, e, p)
+            packed, scale, g = nvfp4.from_checkpoint(self.format, self.get, base)
+            if tuple(packed.shape) != (n, k // 2) or tuple(scale.shape) != (n, k // 16):
+                raise ModelError(f"{self.folder}: NVFP4 tensor {base} has shape "
+                                 f"{list(packed.shape)}, expected {[n, k // 2]}")
+            q[p] = (packed, scale, g.float().reshape(()).expand(n))
+        return {
+            "gate_up": torch.cat([q["gate_proj"][0], q["up_proj"][0]]),
+            "gate_up_scale": torch.cat([q["gate_proj"][1], q["up_proj"][1]]),
+            "gate_up_global": torch.cat([q["gate_proj"][2], q["up_proj"][2]]),
+            "down": q["down_proj"][0],
+            "down_scale": q["down_proj"][1],
+            "down_global": q["down_proj"][2],
+        }
+
+    def iter_expert_rows(self, layout: RowLayout) -> Iterator[tuple[int, Tensor]]:
+        for layer in range(self.args.num_hidden_layers):
+            yield layer, self.expert_rows(layer, layout)

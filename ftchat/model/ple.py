@@ -1,0 +1,106 @@
+"""Per-layer hashed n-gram embedding (PLE, ARCH.md section 7).
+
+Legend: B batch, T tokens, D hidden, hc streams, nh n-gram heads, dh row width.
+State per sequence: ctx [2] previous token ids (eos at the start), conv [hc*D, 9] of the conv input.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ftchat.model.config import ModelArgs
+from ftchat.model.layers import rms_norm
+
+MASK64 = (1 << 64) - 1
+GAMMA = 0x9E3779B97F4A7C15
+
+
+def splitmix64(v: int) -> int:
+    v = (v + GAMMA) & MASK64
+    v = ((v ^ (v >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    v = ((v ^ (v >> 27)) * 0x94D049BB133111EB) & MASK64
+    return v ^ (v >> 31)
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, ple_index: int, seed: int) -> list[int]:
+    half = max(1, ((1 << 63) - 1) // max(vocab_size, 1) // 2)
+    base = seed + 10007 * ple_index
+    return [2 * (splitmix64((base + GAMMA * (i + 1)) & MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2 or n % 2 == 0:
+        return n == 2
+    return all(n % d for d in range(3, math.isqrt(n) + 1, 2))
+
+
+def head_primes(base: int, count: int, first: int = 0) -> list[int]:
+    """The (first+1)-th .. (first+count)-th primes >= base (one table per hash head)."""
+    out, p = [], base - 1
+    while len(out) < first + count:
+        p += 1
+        while not _is_prime(p):
+            p += 1
+        out.append(p)
+    return out[first:]
+
+
+def table_rows(a: ModelArgs, ple_index: int) -> tuple[list[int], list[int], int]:
+    """(primes, offsets, padded row count) of one PLE layer's n-gram table."""
+    nh = (a.ngram_size - 1) * a.heads_per_ngram
+    primes = head_primes(a.ngram_vocab_size_base, nh, first=ple_index * nh)
+    offsets = [sum(primes[:i]) for i in range(nh)]
+    div = a.make_ngram_vocab_size_divisible_by
+    return primes, offsets, -(-sum(primes) // div) * div
+
+
+def ngram_rows(ids: Tensor, ctx: Tensor, mult: Tensor, primes: Tensor, offsets: Tensor,
+               eos: int, heads_per_ngram: int) -> Tensor:
+    """Table rows [B, T, nh] for tokens ids [B, T] after context ctx [B, n-1] (n = ngram size)."""
+    hist = torch.cat([ctx, ids], dim=1).long()  # [B, n-1+T]
+    n = mult.shape[0]
+    T = ids.shape[1]
+    cur = hist[:, n - 1 :]  # [B, T]
+    mixed = cur * mult[0]
+    blocks, cut = [], torch.zeros_like(cur, dtype=torch.bool)
+    for s in range(1, n):
+        prev = hist[:, n - 1 - s : n - 1 - s + T]  # token at distance s
+        # an eos strictly between the token at distance s and the current one hides it
+        if s > 1:
+            cut = cut | (hist[:, n - s : n - s + T] == eos)
+        prev = torch.where(cut, torch.full_like(prev, eos), prev)
+        mixed = mixed ^ (prev * mult[s])
+        h = slice((s - 1) * heads_per_ngram, s * heads_per_ngram)
+        blocks.append(torch.remainder(mixed[..., None], primes[h]) + offsets[h])
+    return torch.cat(blocks, dim=-1)  # [B, T, nh]
+
+
+def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Tensor:
+    """Returns the PLE residual update [B, T, hc*D] for R [B, T, hc*D]; advances state['conv']."""
+    D, hc = a.hidden_size, a.hc_count
+    emb = w["ple_embedding.ngram_embedding.weight"]
+    rows = ngram_rows(ids, state["ctx"], w["ple_embedding.layer_multipliers"],
+                      w["ple_embedding.ngram_heads_vocab_sizes"], w["ple_embedding.ngram_heads_offsets"],
+                      a.eos_token_id, a.heads_per_ngram)
+    E = emb[rows.to(emb.device)].to(R.device, R.dtype).flatten(-2)  # [B, T, nh*dh]
+    key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps, D)
+    value = F.linear(E, w["value_proj.weight"])  # [B, T, D]
+    query = rms_norm(R, w["norm_query.weight"], a.rms_norm_eps, D)
+    u = (key.unflatten(-1, (hc, D)) * query.unflatten(-1, (hc, D))).sum(-1, keepdim=True) / math.sqrt(D)
+    u = u.abs().clamp_min(1e-6).sqrt() * u.sign()  # [B, T, hc, 1]
+    G = (torch.sigmoid(u) * value[:, :, None]).flatten(-2)  # [B, T, hc*D]
+    N = rms_norm(G, w["norm_conv.weight"], a.rms_norm_eps, D)
+    return G + dilated_conv(N, state["conv"], w["conv1d.weight"].squeeze(1), a.ngram_size)
+
+
+def dilated_conv(N: Tensor, conv_state: Tensor, w: Tensor, dilation: int) -> Tensor:
+    """silu(depthwise conv, dilation) over N [B, T, C]; conv_state [B, C, (k-1)*dilation] in place."""
+    T = N.shape[1]
+    window = torch.cat([conv_state.to(N.dtype), N.transpose(1, 2)], dim=-1)
+    conv_state.copy_(window[..., -conv_state.shape[-1] :])
+    out = F.conv1d(window, w.unsqueeze(1).to(N.dtype), groups=w.shape[0], dilation=dilation)
+    return F.silu(out[..., -T:]).transpose(1, 2)

@@ -1,0 +1,123 @@
+"""Qwen3.8-Flash-Next (HF qwen4_exp) text decoder: hyper-connections, GDN/QSA mixers, PLE, MoE.
+
+Legend: B batch, T tokens, D hidden, hc streams, E experts, K top-k, V vocab.
+Weights are a flat dict keyed by checkpoint names without the `model.language_model.` prefix;
+per-request state (DecodeState) and the routed-expert backend come in as arguments.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ftchat.model.config import ModelArgs
+from ftchat.model.gdn import gdn_mixer
+from ftchat.model.layers import rms_norm, swiglu
+from ftchat.model.ple import ple_layer
+from ftchat.model.qsa import attention_mixer
+from ftchat.model.state import DecodeState
+
+
+class ExpertBackend(Protocol):
+    """Routed experts of one MoE block, split in two so the shared expert can run in between."""
+
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> object:
+        """Make experts `ids` [T, K] of `layer` readable (offload: ensure + copies); x [T, D]."""
+
+    def finish(self, pending: object, x: Tensor, weights: Tensor) -> Tensor:
+        """Weighted sum of the routed experts' outputs [T, D]."""
+
+
+BLOCKS = ("ple", "attn_hyper_connection", "self_attn", "linear_attn", "mlp_hyper_connection", "mlp")
+
+
+class Weights:
+    """Dense weights by checkpoint name (routed experts live in rows elsewhere), grouped once:
+    layers[i][block] holds `layers.{i}.{block}.*` with the prefix stripped."""
+
+    def __init__(self, tensors: dict[str, Tensor], num_layers: int):
+        self.tensors = tensors
+        self.layers = [
+            {b: _sub(tensors, f"layers.{i}.{b}.") for b in BLOCKS} for i in range(num_layers)
+        ]
+        self.final_mixer = _sub(tensors, "hyper_connection_mixer.")
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+
+def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
+    """Hyper-connection mix: block input x [.., D] and injection weights s [.., hc] from R [.., hc*D]."""
+    D, hc = a.hidden_size, a.hc_count
+    Rn = rms_norm(R, w["hc_norm.weight"], a.rms_norm_eps, group=D)
+    m = F.silu(F.linear(Rn, w["input_mix_weight_down.weight"]) / hc)
+    m = torch.sigmoid(F.linear(m, w["input_mix_weight_up.weight"]))
+    x = (m.unflatten(-1, (hc, D)) * Rn.unflatten(-1, (hc, D))).mean(-2)  # [.., D]
+    if not inject:
+        return x
+    s = 2 * torch.sigmoid(F.linear(Rn, w["block_inject_weight.weight"]) / hc)  # [.., hc]
+    return x, s
+
+
+def hc_write(R: Tensor, y: Tensor, s: Tensor) -> Tensor:
+    """R_i += s_i * y for every stream i."""
+    return R + (y[..., None, :] * s[..., :, None]).flatten(-2)
+
+
+def route(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
+    """Softmax router: top-k ids [T, K] and weights [T, K] (renormalised, model dtype)."""
+    probs = torch.softmax(F.linear(x, gate_w), dim=-1, dtype=torch.float32)  # [T, E]
+    top, ids = torch.topk(probs, a.num_experts_per_tok, dim=-1)
+    if a.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    return ids, top.to(x.dtype)
+
+
+def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs) -> Tensor:
+    """x [B, T, D] -> [B, T, D]: routed experts (through the backend) plus the gated shared expert."""
+    xt = x.flatten(0, 1)  # [B*T, D]
+    ids, weights = route(xt, w["gate.weight"], a)
+    pending = experts.begin(layer, xt, ids)
+    shared = swiglu(xt, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
+                    w["shared_expert.down_proj.weight"])
+    routed = experts.finish(pending, xt, weights)
+    shared = torch.sigmoid(F.linear(xt, w["shared_expert_gate.weight"])) * shared
+    return (routed + shared).view_as(x)
+
+
+def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,
+            experts: ExpertBackend, a: ModelArgs, kv_len: int) -> Tensor:
+    """Logits [B, T, V] for tokens [B, T] at positions pos [B, T] of state rows `rows` (B of them).
+
+    The state rows (views) advance in place: KV, conv, recurrent, PLE context. Attention reads
+    the first kv_len cache entries (> every position in pos).
+    """
+    x = W["embed_tokens.weight"][tokens]  # [B, T, D]
+    R = x.repeat(1, 1, a.hc_count)  # [B, T, hc*D]
+    for i in range(a.num_hidden_layers):
+        lw = W.layers[i]
+        if i in a.ple_layers:
+            ple = {"ctx": state.ple_ctx[rows], "conv": state.ple_conv[i][rows]}
+            R = R + ple_layer(R, tokens, lw["ple"], ple, a)
+        h, s = hc_read(R, lw["attn_hyper_connection"], a)
+        if a.is_attention(i):
+            cache = {k: c[rows] for k, c in state.kv[i].items()}
+            y = attention_mixer(h, lw["self_attn"], cache, pos, kv_len, a)
+        else:
+            y = gdn_mixer(h, lw["linear_attn"], state.conv[i][rows], state.recurrent[i][rows], a)
+        R = hc_write(R, y, s)
+        h, s = hc_read(R, lw["mlp_hyper_connection"], a)
+        R = hc_write(R, moe_block(i, h, lw["mlp"], experts, a), s)
+    n = a.ngram_size - 1
+    ctx = state.ple_ctx[rows]
+    ctx.copy_(torch.cat([ctx, tokens.to(ctx.dtype)], dim=1)[:, -n:])
+    h = hc_read(R, W.final_mixer, a, inject=False)
+    return F.linear(h, W["lm_head.weight"])
+
+
+def _sub(w: dict, prefix: str) -> dict:
+    n = len(prefix)
+    return {k[n:]: v for k, v in w.items() if k.startswith(prefix)}

@@ -1,0 +1,56 @@
+"""Per-request decode state of a batch of sequences (ARCH.md section 8), preallocated.
+
+Row b of every tensor belongs to sequence b; the decoder advances rows in place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ftchat.model.config import ModelArgs
+
+
+@dataclass
+class DecodeState:
+    max_len: int  # KV capacity per sequence
+    kv: dict[int, dict[str, Tensor]]  # attention layer -> k/v [B, L, Hkv, hd], ik [B, L, di]
+    conv: dict[int, Tensor]  # GDN layer -> [B, C, Kc-1]
+    recurrent: dict[int, Tensor]  # GDN layer -> [B, Hv, dk, dv] fp32
+    ple_conv: dict[int, Tensor]  # PLE layer -> [B, hc*D, (k-1)*dilation]
+    ple_ctx: Tensor  # [B, ngram-1] previous token ids (eos at the start)
+
+    @classmethod
+    def create(cls, a: ModelArgs, batch: int, max_len: int, device, dtype) -> "DecodeState":
+        z = lambda *shape, dt=dtype: torch.zeros(*shape, device=device, dtype=dt)  # noqa: E731
+        conv_dim = 2 * a.linear_num_key_heads * a.linear_key_head_dim + (
+            a.linear_num_value_heads * a.linear_value_head_dim
+        )
+        kv, conv, rec = {}, {}, {}
+        for i in range(a.num_hidden_layers):
+            if a.is_attention(i):
+                kv[i] = {
+                    "k": z(batch, max_len, a.num_key_value_heads, a.head_dim),
+                    "v": z(batch, max_len, a.num_key_value_heads, a.head_dim),
+                    "ik": z(batch, max_len, a.indexer_head_dim),
+                }
+            else:
+                conv[i] = z(batch, conv_dim, a.linear_conv_kernel_dim - 1)
+                rec[i] = z(batch, a.linear_num_value_heads, a.linear_key_head_dim,
+                           a.linear_value_head_dim, dt=torch.float32)
+        hcD = a.hc_count * a.hidden_size
+        ple_conv = {i: z(batch, hcD, (a.ple_conv_kernel_size - 1) * a.ngram_size) for i in a.ple_layers}
+        eos = a.eos_token_id if a.eos_token_id is not None else 0
+        ctx = torch.full((batch, a.ngram_size - 1), eos, device=device, dtype=torch.long)
+        return cls(max_len, kv, conv, rec, ple_conv, ctx)
+
+    def reset(self, rows: slice, eos: int) -> None:
+        """Clear rows for new sequences."""
+        for d in self.kv.values():
+            for t in d.values():
+                t[rows].zero_()
+        for t in (*self.conv.values(), *self.recurrent.values(), *self.ple_conv.values()):
+            t[rows].zero_()
+        self.ple_ctx[rows].fill_(eos)

@@ -1,0 +1,230 @@
+"""Synthetic qwen4_exp checkpoints in the exact real layout (`ftchat synth`).
+
+Wrapper config.json with `text_config`, `model.language_model.*` tensors in sharded safetensors
+with an index, per-expert `mlp.experts.{e}.{gate,up,down}_proj` (bf16 or NVFP4 in either dialect),
+tokenizer.json + tokenizer_config.json (ChatML), generation_config.json. Deterministic per seed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from ftchat.errors import FtchatError
+from ftchat.model import nvfp4
+from ftchat.model.config import ModelArgs
+from ftchat.model.ple import layer_multipliers, table_rows
+from ftchat.model.spec import dense_specs, expert_name, expert_specs
+from ftchat.model.tokenizer import write_synthetic_tokenizer
+
+PREFIX = "model.language_model."
+FORMATS = ("bf16", nvfp4.MODELOPT, nvfp4.COMPRESSED_TENSORS)
+
+
+def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None = None) -> dict:
+    """The text_config of a preset. `tiny` covers every layer type in a few MB; `flash-next` has
+    the real geometry except a smaller n-gram table (ngram_vocab_size_base 20 000, not 20 M)."""
+    if preset == "tiny":
+        n = layers or 6
+        cfg = dict(vocab_size=vocab or 512, hidden_size=64, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, hc_lowrank=16, ple_embed_dim=64,
+                   ngram_vocab_size_base=1000, split_ngram_parts=4, indexer_n_heads=2,
+                   indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4,
+                   max_position_embeddings=4096, rope_theta=10000.0)
+        types = ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"]
+    elif preset == "flash-next":
+        n = layers or 48
+        cfg = dict(vocab_size=vocab or 248320, hidden_size=2560, num_attention_heads=24,
+                   num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                   linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                   num_experts=512, num_experts_per_tok=10, moe_intermediate_size=640,
+                   shared_expert_intermediate_size=640, hc_lowrank=320, ple_embed_dim=2560,
+                   ngram_vocab_size_base=20_000, split_ngram_parts=128, indexer_n_heads=4,
+                   indexer_head_dim=128, indexer_budget=2048, indexer_compress_ratio=4,
+                   max_position_embeddings=262144, rope_theta=1e7)
+        types = ["linear_attention"] * 3 + ["indexed_attention"]
+    else:
+        raise FtchatError(f"unknown preset {preset!r}: use tiny or flash-next")
+    if n < 2:
+        raise FtchatError("--layers must be at least 2 (the PLE layer is layer 2)")
+    theta = cfg.pop("rope_theta")
+    cfg.update(
+        model_type="qwen4_exp_text", num_hidden_layers=n,
+        layer_types=[types[i % 4] for i in range(n)], hidden_act="silu",
+        output_gate_type="sigmoid", rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
+        hc_count=4, ple_layer_ids=[2], ple_conv_kernel_size=4, ngram_size=3, heads_per_ngram=8,
+        make_ngram_vocab_size_divisible_by=128, seed=1234, indexer_kv_heads=1,
+        norm_topk_prob=True, tie_word_embeddings=False, eos_token_id=eos,
+        rope_parameters={"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True},
+    )
+    return cfg
+
+
+def _init(shape: tuple[int, ...], kind: str, gen: torch.Generator) -> Tensor:
+    if kind == "linear":
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+    if kind == "norm":  # zero-centred: (1 + w)
+        return torch.randn(shape, generator=gen) * 0.1
+    if kind == "plain_norm":
+        return 1 + torch.randn(shape, generator=gen) * 0.1
+    if kind == "conv":
+        return torch.randn(shape, generator=gen) * 0.5
+    if kind == "a_log":
+        return torch.empty(shape).uniform_(1, 16, generator=gen).log()
+    if kind == "dt_bias":
+        return 1 + torch.randn(shape, generator=gen) * 0.1
+    if kind == "embed":
+        return torch.randn(shape, generator=gen)
+    raise AssertionError(kind)
+
+
+def _random_nvfp4(n: int, k: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
+    """Random codes with block scales sized so the weights have std ~ 1/sqrt(k)."""
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    g = torch.tensor(2.0**-8)
+    target = 1 / (2.93 * math.sqrt(k))  # 2.93 = RMS of the E2M1 magnitudes
+    scale = torch.empty(n, k // 16).uniform_(0.5, 1.5, generator=gen) * target / g
+    return packed, scale.to(torch.float8_e4m3fn), g
+
+
+class _ShardWriter:
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.pending: dict[str, Tensor] = {}
+        self.size = 0
+        self.files: list[tuple[str, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, t: Tensor) -> None:
+        self.pending[name] = t.contiguous()
+        self.size += t.numel() * t.element_size()
+        if self.size >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        name = f"part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        self.files.append((name, list(self.pending)))
+        self.total += self.size
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        n, weight_map = len(self.files), {}
+        for i, (tmp, names) in enumerate(self.files):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            (self.folder / tmp).rename(self.folder / final)
+            weight_map.update({t: final for t in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None = None,
+                     fmt: str = "bf16", seed: int = 0, max_shard_bytes: int | None = None,
+                     progress: Callable[[int, int], None] | None = None,
+                     weights_fn: Callable[[str, Tensor], Tensor] | None = None) -> Path:
+    """Write a complete synthetic checkpoint to `out` (a new folder; replaced only on success).
+
+    weights_fn, if given, may replace each float tensor before it is written (tests use it).
+    """
+    if fmt not in FORMATS:
+        raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FtchatError(f"{out}: exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".synth-", dir=out.parent))
+    try:
+        _write(tmp, preset, layers, fmt, seed, max_shard_bytes, progress, weights_fn)
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
+           max_shard_bytes: int | None, progress, weights_fn) -> None:
+    vocab = 512 if preset == "tiny" else 248320
+    special_base = None if preset == "tiny" else 248044
+    specials = write_synthetic_tokenizer(folder, vocab, special_base)
+    eos = specials["<|endoftext|>"]
+    text = preset_config(preset, layers, eos, vocab)
+    a = ModelArgs.from_hf(text)
+    dtype = torch.bfloat16
+    hf = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+          "text_config": text, "tie_word_embeddings": False,
+          "image_token_id": 248056, "video_token_id": 248057,
+          "vision_start_token_id": 248053, "vision_end_token_id": 248054}
+    if fmt != "bf16":
+        hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules())
+    (folder / "config.json").write_text(json.dumps(hf, indent=2))
+    gen_cfg = {"bos_token_id": eos, "pad_token_id": eos,
+               "eos_token_id": [specials["<|im_end|>"], eos], "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+
+    gen = torch.Generator().manual_seed(seed)
+    limit = max_shard_bytes or (1 << 20 if preset == "tiny" else 4 << 30)
+    w = _ShardWriter(folder, limit)
+    fix = weights_fn or (lambda name, t: t)
+    specs = dense_specs(a)
+    ple = {i: a.ple_layers.index(i) for i in a.ple_layers}
+    for name, spec in specs.items():
+        if spec.init == "int64":
+            t = _ple_buffer(name, a, ple)
+        else:
+            t = fix(name, _init(spec.shape, spec.init, gen)).to(dtype)
+        w.add(PREFIX + name, t)
+        if name.startswith("layers.") and name.endswith("mlp.shared_expert_gate.weight"):
+            layer = int(name.split(".")[1])
+            _write_experts(w, layer, a, fmt, gen, fix, dtype)
+            if progress:
+                progress(layer + 1, a.num_hidden_layers)
+    w.add("lm_head.weight", fix("lm_head.weight", _init((a.vocab_size, a.hidden_size), "linear", gen)).to(dtype))
+    w.finish()
+
+
+def _ple_buffer(name: str, a: ModelArgs, ple: dict[int, int]) -> Tensor:
+    layer = int(name.split(".")[1])
+    primes, offsets, _ = table_rows(a, ple[layer])
+    if name.endswith("layer_multipliers"):
+        vals = layer_multipliers(a.vocab_size, a.ngram_size, ple[layer], a.seed)
+    else:
+        vals = primes if name.endswith("vocab_sizes") else offsets
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+def _write_experts(w: _ShardWriter, layer: int, a: ModelArgs, fmt: str, gen: torch.Generator,
+                   fix, dtype: torch.dtype) -> None:
+    for e in range(a.num_experts):
+        for proj, (n, k) in expert_specs(a).items():
+            base = PREFIX + expert_name(layer, e, proj)
+            if fmt == "bf16":
+                w.add(base + ".weight", fix(base, _init((n, k), "linear", gen)).to(dtype))
+            else:
+                packed, scale, g = _random_nvfp4(n, k, gen)
+                for name, t in nvfp4.to_checkpoint(fmt, base, packed, scale, g).items():
+                    w.add(name, t)
+
+
+def _unquantized_modules() -> list[str]:
+    """Everything but the routed experts stays bf16 in synthetic NVFP4 checkpoints."""
+    return ["lm_head", "model.language_model.embed_tokens", "model.language_model.*.linear_attn*",
+            "model.language_model.*.self_attn*", "model.language_model.*.ple*",
+            "model.language_model.*hyper_connection*", "model.language_model.*.mlp.gate",
+            "model.language_model.*.mlp.shared_expert*"]

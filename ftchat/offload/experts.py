@@ -1,0 +1,63 @@
+"""Routed expert compute that reads weights straight from packed rows by slot id (torch reference).
+
+This is the CPU path and the reference for the Triton kernels. Experts are accumulated in
+ascending expert-id order (as the transformers reference does), so the result does not depend on
+which slot holds an expert.
+Legend: T tokens, D hidden, K top-k, I expert inner dim, R row bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ftchat.model import nvfp4
+from ftchat.model.rows import RowLayout
+
+
+def expert_weights(rows: Tensor, layout: RowLayout, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """gate_up [n, 2I, D] and down [n, D, I] in `dtype` from rows [n, R]."""
+    if layout.kind == "nvfp4":
+        parts = []
+        for p in ("gate_up", "down"):
+            w = nvfp4.dequantize(layout.view(rows, p), layout.view(rows, p + "_scale"),
+                                 layout.view(rows, p + "_global"))
+            parts.append(w.to(dtype))
+        return parts[0], parts[1]
+    return layout.view(rows, "gate_up").to(dtype), layout.view(rows, "down").to(dtype)
+
+
+def routed_experts(x: Tensor, rows: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
+                   weights: Tensor) -> Tensor:
+    """sum_k weights[t, k] * expert(ids[t, k])(x[t]) with expert weights read from rows[slots].
+
+    x [T, D]; rows [S, R] uint8 (the slot bank); slots, ids, weights [T, K].
+    """
+    out = torch.zeros_like(x)
+    flat_ids = ids.flatten()
+    # SYNC: the torch path groups tokens by expert on the host (CPU path / reference only)
+    for e in torch.unique(flat_ids).tolist():
+        hit = (flat_ids == e).nonzero().squeeze(1)  # [n] positions in T*K
+        tok = hit // ids.shape[1]
+        slot = slots.flatten()[hit[:1]]
+        gate_up, down = expert_weights(rows[slot], layout, x.dtype)
+        g, u = F.linear(x[tok], gate_up[0]).chunk(2, dim=-1)  # [n, I] each
+        y = F.linear(F.silu(g) * u, down[0])  # [n, D]
+        y = y * weights.flatten()[hit, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+class ResidentExperts:
+    """Every expert resident: rows [L*E, R]; the slot of (layer, e) is layer*E + e."""
+
+    def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int):
+        self.rows, self.layout, self.num_experts = rows, layout, num_experts
+
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return ids, ids + layer * self.num_experts
+
+    def finish(self, pending: tuple[Tensor, Tensor], x: Tensor, weights: Tensor) -> Tensor:
+        ids, slots = pending
+        return routed_experts(x, self.rows, self.layout, slots, ids, weights)
