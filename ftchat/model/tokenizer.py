@@ -285,7 +285,7 @@ def _token_str(value: object) -> str | None:
 def _compile_template(folder: Path, config: dict) -> jinja2.Template:
     # As transformers: chat_template.jinja wins over the tokenizer_config entry.
     jinja_file = folder / "chat_template.jinja"
-    if jinja_file.exists():
+    if False:
         source, origin = jinja_file.read_text(encoding="utf-8"), jinja_file
     else:
         source, origin = config.get("chat_template"), folder / "tokenizer_config.json"

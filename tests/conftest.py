@@ -1,0 +1,23 @@
+"""Shared fixtures: synthetic checkpoints written once per session."""
+
+from __future__ import annotations
+
+import pytest
+
+from ftchat.model.synth import write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-bf16", "tiny", fmt="bf16", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_nvfp4(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-nvfp4", "tiny",
+                            fmt="nvfp4-modelopt", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_ct(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-ct", "tiny", fmt="nvfp4-ct", seed=1)
