@@ -18,6 +18,7 @@ from ftchat.model.qwen4_exp import ExpertBackend, Weights, forward
 from ftchat.model.rows import RowLayout
 from ftchat.model.state import DecodeState
 from ftchat.offload.experts import ResidentExperts
+from ftchat.offload.store import fill_host_rows
 
 
 @dataclass
@@ -37,11 +38,7 @@ def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = tor
     a = ckpt.args
     dense = ckpt.dense(dtype, device, progress=(lambda i, n: progress("dense", i, n)) if progress else None)
     layout = ckpt.row_layout()
-    rows = torch.empty(a.num_hidden_layers * a.num_experts, layout.nbytes, dtype=torch.uint8)
-    for layer, r in ckpt.iter_expert_rows(layout):
-        rows[layer * a.num_experts : (layer + 1) * a.num_experts] = r
-        if progress:
-            progress("experts", layer + 1, a.num_hidden_layers)
+    rows = fill_host_rows(ckpt, layout, (lambda i, n: progress("experts", i, n)) if progress else None)
     return LoadedModel(a, Weights(dense, a.num_hidden_layers), layout, rows,
                        torch.device(device), dtype)
 

@@ -201,7 +201,7 @@ class Tokenizer:
     ) -> None:
         self.backend = backend
         self.template = template
-        self.template_vars = template_vars  # bos/eos/pad strings, passed as transformers does
+        self.template_vars = template_vars  # the set special-token strings, as transformers passes
         self.special_ids = special_ids  # every added token (content -> id), think tags included
         self.eos_ids = eos_ids  # generation stops on any of these
 
@@ -224,16 +224,13 @@ class Tokenizer:
         for required in (ENDOFTEXT, IM_START, IM_END):
             if required not in special_ids:
                 raise ModelError(f"{tok_file} has no added token {required}")
-        eos_ids = {special_ids[IM_END], special_ids[ENDOFTEXT]}
-        gen_file = folder / "generation_config.json"
-        if gen_file.exists():
-            eos = _read_json(gen_file).get("eos_token_id")
-            eos_ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        template_vars = {
-            k: _token_str(config.get(k)) for k in ("bos_token", "eos_token", "pad_token")
-        }
+        eos_ids = _stop_ids(folder, special_ids)
+        template_vars = {}
+        for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
+            if (value := _token_str(config.get(name))) is not None:
+                template_vars[name] = value
         template = _compile_template(folder, config)
-        return cls(backend, template, template_vars, special_ids, frozenset(eos_ids))
+        return cls(backend, template, template_vars, special_ids, eos_ids)
 
     def encode(self, text: str) -> list[int]:
         # Special tokens written in the text (e.g. a rendered prompt) encode as their ids; no BOS.
@@ -267,6 +264,16 @@ class Tokenizer:
             raise ModelError(f"chat template failed: {exc}") from exc
 
 
+def _stop_ids(folder: Path, special_ids: dict[str, int]) -> frozenset[int]:
+    # <|im_end|> ends a turn, <|endoftext|> a document; generation_config may name more.
+    stop = {special_ids[IM_END], special_ids[ENDOFTEXT]}
+    gen_file = folder / "generation_config.json"
+    if gen_file.exists():
+        eos = _read_json(gen_file).get("eos_token_id")
+        stop.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(stop)
+
+
 def _read_json(path: Path) -> dict:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -279,13 +286,15 @@ def _read_json(path: Path) -> dict:
 
 def _token_str(value: object) -> str | None:
     # tokenizer_config stores a special token as a string or as an AddedToken-like dict.
-    return value.get("content") if isinstance(value, dict) else value  # type: ignore[return-value]
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
 
 
 def _compile_template(folder: Path, config: dict) -> jinja2.Template:
     # As transformers: chat_template.jinja wins over the tokenizer_config entry.
     jinja_file = folder / "chat_template.jinja"
-    if False:
+    if jinja_file.exists():
         source, origin = jinja_file.read_text(encoding="utf-8"), jinja_file
     else:
         source, origin = config.get("chat_template"), folder / "tokenizer_config.json"

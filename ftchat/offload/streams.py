@@ -1,0 +1,116 @@
+"""Streams and events of the offloaded MoE step, on CUDA and emulated on the CPU.
+
+Jobs: `compute` (the model and every slot-map write), `predictor` (router lookahead),
+`copy` (demand copies) and `prefetch` (prefetch copies, highest priority).
+
+The CPU emulation runs compute work at once and defers the other streams' work until someone
+waits on one of their events, so a missing wait leaves bytes stale exactly as a race would on the
+GPU, deterministically. `current` names the stream whose work is running (the single-writer test
+reads it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+NAMES = ("compute", "predictor", "copy", "prefetch")
+
+
+@dataclass
+class _Queue:
+    items: list = field(default_factory=list)  # ("fn", callable) | ("wait", event)
+    done: int = 0  # items executed
+
+
+@dataclass(frozen=True)
+class CpuEvent:
+    stream: str
+    position: int
+
+
+class CpuStreams:
+    """Deferred-execution emulation of CUDA streams for the CPU path and its tests."""
+
+    def __init__(self):
+        self.queues = {n: _Queue() for n in NAMES}
+        self.current = "compute"
+
+    def run(self, stream: str, fn: Callable[[], None]) -> None:
+        if stream == "compute":
+            self._call("compute", fn)
+        else:
+            self.queues[stream].items.append(("fn", fn))
+
+    def record(self, stream: str) -> CpuEvent:
+        return CpuEvent(stream, len(self.queues[stream].items))
+
+    def wait(self, stream: str, event: CpuEvent | None) -> None:
+        if event is None or event.stream == stream:
+            return
+        if stream == "compute":
+            self._flush(event.stream, event.position)
+        else:
+            self.queues[stream].items.append(("wait", event))
+
+    def synchronize(self) -> None:
+        for n in NAMES[1:]:
+            self._flush(n, len(self.queues[n].items))
+
+    def _flush(self, stream: str, upto: int) -> None:
+        q = self.queues[stream]
+        while q.done < upto:
+            kind, obj = q.items[q.done]
+            q.done += 1
+            if kind == "wait":
+                self._flush(obj.stream, obj.position)
+            else:
+                self._call(stream, obj)
+
+    def _call(self, stream: str, fn: Callable[[], None]) -> None:
+        prev, self.current = self.current, stream
+        try:
+            fn()
+        finally:
+            self.current = prev
+
+
+class CudaStreams:
+    """Real CUDA streams forked from the stream current at construction (the compute stream)."""
+
+    def __init__(self, device: torch.device):
+        hi = -1  # a higher priority than the default 0: copies jump ahead of queued compute
+        self.streams = {
+            "compute": torch.cuda.current_stream(device),
+            "predictor": torch.cuda.Stream(device),
+            "copy": torch.cuda.Stream(device, priority=hi),
+            "prefetch": torch.cuda.Stream(device, priority=hi),
+        }
+        self.current = "compute"
+
+    def run(self, stream: str, fn: Callable[[], None]) -> None:
+        prev, self.current = self.current, stream
+        try:
+            with torch.cuda.stream(self.streams[stream]):
+                fn()
+        finally:
+            self.current = prev
+
+    def record(self, stream: str) -> torch.cuda.Event:
+        ev = torch.cuda.Event()
+        ev.record(self.streams[stream])
+        return ev
+
+    def wait(self, stream: str, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            self.streams[stream].wait_event(event)
+
+    def synchronize(self) -> None:
+        for s in self.streams.values():
+            s.synchronize()
+
+
+def make_streams(device: torch.device) -> CpuStreams | CudaStreams:
+    return CudaStreams(device) if device.type == "cuda" else CpuStreams()
