@@ -1,0 +1,146 @@
+"""The offloaded expert backend: slot cache, demand copies, prefetch from a router lookahead.
+
+One MoE block of layer L (DESIGN.md section 3), in program order:
+  predictor: fork at the block start; layer L+1's router on router_in(L) -> candidates(L+1)
+  compute:   wait prefetch_done(L) (the join), ensure(L) -> demand plan;
+             prefetch_ensure(L+1) after the predictor's event -> prefetch plan
+  copy:      after ensure: demand copy of L -> demand_done(L)
+  prefetch:  after demand_done(L): prefetch copy of L+1 -> prefetch_done(L+1)
+  compute:   shared expert (overlaps the copies), wait demand_done(L), routed expert kernel
+Every slot-map write (ensure, prefetch_ensure) is issued on the compute stream.
+Prefill (T > 1) reads its experts from the host rows (CPU) or a staging area and leaves the slot
+cache untouched.
+Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ftchat.model.rows import RowLayout
+from ftchat.offload import cache as sc
+from ftchat.offload.copy import copy_rows
+from ftchat.offload.experts import routed_experts
+from ftchat.offload.hooks import Hooks
+from ftchat.offload.streams import CpuStreams, CudaStreams
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    num_slots: int
+    policy: str = "rule"  # rule | lru
+    prefetch: str = "off"  # off | measure | on
+    budget_gdn: int = 3  # prefetch budget when the prefetched layer is GDN
+    budget_attn: int = 4  # ... when it is attention
+    candidates: int = 16
+    overlap: bool = True
+    copy_programs: int = 8
+
+
+@dataclass(frozen=True)
+class Pending:
+    layer: int
+    ids: Tensor  # [T, K]
+    slots: Tensor  # [T, K] int32 slot (or host row) of each routed expert
+    bank: Tensor  # the rows the expert kernel reads
+    ready: object  # event: the demand copy of this layer is done
+
+
+class OffloadExperts:
+    """ExpertBackend over a slot cache; see the module docstring for the choreography."""
+
+    def __init__(self, host_rows: Tensor, layout: RowLayout, routers: list[Tensor],
+                 attention_layers: set[int], cfg: OffloadConfig, device: torch.device,
+                 streams: CpuStreams | CudaStreams, hooks: Hooks | None = None):
+        self.host, self.layout, self.cfg, self.device = host_rows, layout, cfg, device
+        self.routers = routers  # gate.weight [E, D] per layer (dense, on device)
+        self.num_layers, self.num_experts = len(routers), routers[0].shape[0]
+        self.budgets = [cfg.budget_attn if i in attention_layers else cfg.budget_gdn
+                        for i in range(self.num_layers)]
+        self.streams, self.hooks = streams, hooks or Hooks()
+        # ===== fixed-address state (a captured graph reads and writes these) =====
+        self.maps = sc.SlotMaps.create(self.num_layers, self.num_experts, cfg.num_slots, device)
+        self.maps.on_write = self.hooks.on_map_write
+        self.bank = torch.zeros(cfg.num_slots + 1, layout.nbytes, dtype=torch.uint8, device=device)
+        self.stats = sc.CacheStats.create(self.num_layers, device)
+        self.cands: list[Tensor | None] = [None] * self.num_layers  # predictor output per layer
+        self.pred_done: list[object] = [None] * self.num_layers
+        self.prefetch_done: list[object] = [None] * self.num_layers
+        self.step = 0  # decode steps so far (debug records)
+
+    # ===== ExpertBackend =====
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
+        if x.shape[0] > 1 and self.host.device.type == "cpu" and self.device.type == "cpu":
+            return self._prefill_begin(layer, ids)
+        s, cfg = self.streams, self.cfg
+        nxt = layer + 1 if layer + 1 < self.num_layers else None
+        if cfg.prefetch != "off" and nxt is not None:
+            self._predict(nxt, x)
+        if cfg.prefetch == "measure" and self.cands[layer] is not None:
+            self._measure(layer, ids)  # the maps are as they were when the candidates were made
+        s.wait("compute", self.prefetch_done[layer])  # the join: prefetch copy of L before ensure(L)
+        plan = self._run_compute(lambda: sc.ensure(self.maps, layer, ids, cfg.policy, self.stats))
+        pplan = None
+        if cfg.prefetch == "on" and nxt is not None:
+            s.wait("compute", self.pred_done[nxt])
+            pplan = self._run_compute(lambda: sc.prefetch_ensure(
+                self.maps, nxt, self.cands[nxt], self.budgets[nxt], plan.slots, cfg.policy,
+                self.stats))
+        ready = s.record("compute")
+        s.wait("copy", ready)
+        s.run("copy", lambda: self._copy(plan, layer, "demand"))
+        demand_done = s.record("copy")
+        if pplan is not None:
+            s.wait("prefetch", demand_done)
+            s.run("prefetch", lambda: self._copy(pplan, nxt, "prefetch"))
+            self.prefetch_done[nxt] = s.record("prefetch")
+        if not cfg.overlap:
+            s.wait("compute", demand_done)
+        return Pending(layer, ids, plan.slots, self.bank, demand_done)
+
+    def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
+        self.streams.wait("compute", p.ready)
+        self.hooks.before_kernel(self, p)
+        out = routed_experts(x, p.bank, self.layout, p.slots, p.ids, weights)
+        self.hooks.after_kernel(self, p)
+        return out
+
+    def end_step(self) -> None:
+        """Called after each decode step (debug audits count steps)."""
+        self.step += 1
+        self.hooks.end_step(self)
+
+    # ===== parts =====
+    def _run_compute(self, fn):
+        out = []
+        self.streams.run("compute", lambda: out.append(fn()))
+        return out[0]
+
+    def _predict(self, nxt: int, x: Tensor) -> None:
+        """Layer nxt's router on this layer's router input, on the predictor stream."""
+        s, w, k = self.streams, self.routers[nxt], self.cfg.candidates
+        s.wait("predictor", s.record("compute"))
+
+        def run():
+            probs = torch.softmax(x @ w.T, dim=-1, dtype=torch.float32)  # [T, E]
+            self.cands[nxt] = probs.sum(0).topk(k).indices  # [C], best first
+        s.run("predictor", run)
+        self.pred_done[nxt] = s.record("predictor")
+
+    def _measure(self, layer: int, ids: Tensor) -> None:
+        """Count what prefetch would have done for `layer` (read-only)."""
+        self.streams.wait("compute", self.pred_done[layer])
+        self._run_compute(lambda: sc.prefetch_measure(
+            self.maps, layer, self.cands[layer], self.budgets[layer], ids, self.stats))
+
+    def _copy(self, plan, layer: int, kind: str) -> None:
+        self.hooks.before_copy(self, plan, layer, kind)
+        copy_rows(self.host, self.bank, plan.src, plan.dst, plan.count, self.cfg.copy_programs)
+
+    def _prefill_begin(self, layer: int, ids: Tensor) -> Pending:
+        # Prefill: read every routed expert straight from the host rows; the cache is untouched.
+        slots = (ids + layer * self.num_experts).to(torch.int32)
+        return Pending(layer, ids, slots, self.host, None)
