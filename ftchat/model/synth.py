@@ -148,6 +148,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
         raise FtchatError(f"{out}: exists and is not empty")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".synth-", dir=out.parent))
+    tmp.chmod(0o755)
     try:
         _write(tmp, preset, layers, fmt, seed, max_shard_bytes, progress, weights_fn)
         if out.exists():
