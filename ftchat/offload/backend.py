@@ -139,6 +139,7 @@ class OffloadExperts:
     def _copy(self, plan, layer: int, kind: str) -> None:
         self.hooks.before_copy(self, plan, layer, kind)
         copy_rows(self.host, self.bank, plan.src, plan.dst, plan.count, self.cfg.copy_programs)
+        self.hooks.after_copy(self, plan, layer, kind)
 
     def _prefill_begin(self, layer: int, ids: Tensor) -> Pending:
         # Prefill: read every routed expert straight from the host rows; the cache is untouched.

@@ -13,6 +13,9 @@ class Hooks:
     def before_copy(self, backend, plan, layer: int, kind: str) -> None:
         """A copy of `plan` (kind 'demand' or 'prefetch') is about to run on its stream."""
 
+    def after_copy(self, backend, plan, layer: int, kind: str) -> None:
+        """The copy of `plan` has been issued, on the copy's own stream."""
+
     def before_kernel(self, backend, pending) -> None:
         """The routed expert kernel of pending.layer is about to read pending.slots."""
 

@@ -1,0 +1,73 @@
+"""The verifier (FREETOKEN_MOE_PREFETCH_VERIFY=meta|1, --verify meta|bytes).
+
+meta:  before each routed expert kernel, every routed id's maps agree (slot_of -> slot,
+       id_of[slot] -> id) and no copy that targets its slot is still in flight. Each copy stamps
+       its completion on the device from its own stream, so a read that was not ordered after the
+       copy sees a stale stamp.
+bytes: also compares each routed slot's bytes with the host row before and after the kernel.
+Violations are recorded on the device (step, layer, expert id, slot, what), never fixed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ftchat.debug.records import RecordBuffer
+from ftchat.offload.hooks import Hooks
+
+MAP_MISMATCH, PENDING_COPY, BYTES_BEFORE, BYTES_AFTER = 1, 2, 3, 4
+WHAT = {MAP_MISMATCH: "slot maps disagree", PENDING_COPY: "a copy into the slot is still in flight",
+        BYTES_BEFORE: "slot bytes differ from the host row before the kernel",
+        BYTES_AFTER: "slot bytes differ from the host row after the kernel"}
+KINDS = ("demand", "prefetch")
+
+
+class Verifier(Hooks):
+    def __init__(self, mode: str, num_layers: int, device: torch.device, capacity: int = 4096):
+        if mode not in ("meta", "bytes"):
+            raise ValueError(mode)
+        self.mode = mode
+        self.records = RecordBuffer(capacity, device)
+        # stamp[kind, layer] = 1 + step of the last completed copy (written on the copy's stream)
+        self.stamp = torch.zeros(len(KINDS), num_layers, dtype=torch.int64, device=device)
+        self.issued: dict[tuple[str, int], tuple[object, int]] = {}  # (kind, layer) -> plan, step
+        self.checks = 0
+
+    def before_copy(self, b, plan, layer: int, kind: str) -> None:
+        self.issued[kind, layer] = (plan, b.step)
+
+    def after_copy(self, b, plan, layer: int, kind: str) -> None:
+        self.stamp[KINDS.index(kind), layer] = b.step + 1
+
+    def before_kernel(self, b, p) -> None:
+        if p.bank is not b.bank:  # prefill reads the host rows: nothing to check
+            return
+        gid = p.ids.flatten() + p.layer * b.num_experts  # [T*K] global expert ids
+        slot = p.slots.flatten().long()
+        bad = (b.maps.slot_of[gid].long() != slot) | (b.maps.id_of[slot].long() != gid)
+        self.records.add(bad, b.step, p.layer, gid, slot, MAP_MISMATCH)
+        for (kind, layer), (plan, step) in self.issued.items():
+            if layer < p.layer or step != b.step:
+                continue
+            live = torch.arange(plan.dst.shape[0], device=slot.device) < plan.count
+            targets = (slot[:, None] == torch.where(live, plan.dst.long(), -1)[None]).any(1)
+            done = self.stamp[KINDS.index(kind), layer] == step + 1
+            # copies for this layer must be complete; copies for later layers must not touch it
+            bad = targets & ~done if layer == p.layer else targets
+            self.records.add(bad, b.step, p.layer, gid, slot, PENDING_COPY)
+        if self.mode == "bytes":
+            self._bytes(b, p, BYTES_BEFORE)
+        self.checks += 1
+
+    def after_kernel(self, b, p) -> None:
+        if self.mode == "bytes" and p.bank is b.bank:
+            self._bytes(b, p, BYTES_AFTER)
+
+    def _bytes(self, b, p, what: int) -> None:
+        gid = p.ids.flatten() + p.layer * b.num_experts
+        slot = p.slots.flatten().long()
+        host = b.host[gid.to(b.host.device)].to(b.bank.device, non_blocking=True)
+        self.records.add((b.bank[slot] != host).any(-1), b.step, p.layer, gid, slot, what)
+
+    def report(self) -> list[dict]:
+        return [{**r, "what": WHAT[r["what"]]} for r in self.records.read()]
