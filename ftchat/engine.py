@@ -17,8 +17,14 @@ from ftchat.model.config import ModelArgs
 from ftchat.model.qwen4_exp import ExpertBackend, Weights, forward
 from ftchat.model.rows import RowLayout
 from ftchat.model.state import DecodeState
-from ftchat.offload.experts import ResidentExperts
-from ftchat.offload.store import fill_host_rows
+from ftchat.errors import FtchatError
+from ftchat.offload.backend import OffloadConfig, OffloadExperts, ResidentExperts
+from ftchat.offload.hooks import Hooks
+from ftchat.offload.store import fill_host_rows, pin
+from ftchat.offload.streams import make_streams
+from ftchat.settings import Settings
+
+HEADROOM_BYTES = 1 << 30  # VRAM left free for activations, workspaces and graphs
 
 
 @dataclass
@@ -47,13 +53,70 @@ def resident_backend(m: LoadedModel) -> ResidentExperts:
     return ResidentExperts(m.host_rows.to(m.device), m.layout, m.args.num_experts)
 
 
+def num_slots(m: LoadedModel, settings: Settings) -> int:
+    """Slot count from --slots, --expert-vram or (CUDA) the free VRAM; at least bs x top_k."""
+    a = m.args
+    total = a.num_hidden_layers * a.num_experts
+    need = settings.batch_size * a.num_experts_per_tok
+    if settings.slots is not None:
+        n = settings.slots
+    elif settings.expert_vram_gib is not None:
+        n = int(settings.expert_vram_gib * 2**30 // m.layout.nbytes)
+    elif m.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(m.device)
+        n = int((free - HEADROOM_BYTES) // m.layout.nbytes)
+    else:
+        n = total
+    if n < need:
+        raise FtchatError(f"{n} expert slots are fewer than batch size x top-k = {need}: "
+                          f"give --slots >= {need} or more --expert-vram")
+    return min(n, total)
+
+
+def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None) -> ExpertBackend:
+    """The routed-expert backend the settings ask for: offloaded slot cache, or all resident
+    when every expert fits (on the CPU: when no slot count is asked for)."""
+    a = m.args
+    S = num_slots(m, settings)
+    wants_debug = hooks is not None or settings.verify or settings.audit_every
+    if S == a.num_hidden_layers * a.num_experts and settings.prefetch == "off" and not wants_debug \
+            and settings.slots is None:
+        return resident_backend(m)
+    if hooks is None:
+        hooks = debug_hooks(settings, a.num_hidden_layers, S, m.device)
+    cfg = OffloadConfig(num_slots=S, policy=settings.eviction, prefetch=settings.prefetch,
+                        budget_gdn=settings.budget_gdn, budget_attn=settings.budget_attn,
+                        candidates=min(settings.candidates, a.num_experts), overlap=settings.overlap,
+                        copy_programs=settings.copy_programs)
+    routers = [m.weights.layers[i]["mlp"]["gate.weight"] for i in range(a.num_hidden_layers)]
+    attention = {i for i in range(a.num_hidden_layers) if a.is_attention(i)}
+    if m.device.type == "cuda" and not m.host_rows.is_pinned():
+        pin(m.host_rows)
+    return OffloadExperts(m.host_rows, m.layout, routers, attention, cfg, m.device,
+                          make_streams(m.device), hooks)
+
+
+def debug_hooks(settings: Settings, num_layers: int, num_slots: int, device) -> Hooks | None:
+    """The verifier and/or the slot audit the settings ask for (None when both are off)."""
+    from ftchat.debug import HookChain
+    from ftchat.debug.audit import SlotAudit
+    from ftchat.debug.verify import Verifier
+
+    hooks: list[Hooks] = []
+    if settings.verify:
+        hooks.append(Verifier(settings.verify, num_layers, device))
+    if settings.audit_every:
+        hooks.append(SlotAudit(settings.audit_every, num_slots, device))
+    return None if not hooks else hooks[0] if len(hooks) == 1 else HookChain(hooks)
+
+
 def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: int,
             experts: ExpertBackend) -> Tensor:
     """Run tokens ids [T] of sequence `row` from position `start`; logits [T, V]."""
     T = ids.shape[0]
     pos = torch.arange(start, start + T, device=m.device)[None]  # [1, T]
-    logits = forward(ids[None].to(m.device), pos, m.weights, state, slice(row, row + 1), experts,
-                     m.args, kv_len=start + T)
+    logits = forward(ids[None].to(m.device), pos, m.weights, state, slice(row, row + 1),
+                     experts.for_prefill(), m.args, kv_len=start + T)
     return logits[0]
 
 
@@ -91,4 +154,5 @@ def generate(m: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
         # SYNC: the sampled tokens go to the host
         yield Step(tuple(nxt.tolist()), logits)
         logits = decode_step(m, state, nxt, lengths, experts)
+        experts.end_step()
         lengths = [n + 1 for n in lengths]

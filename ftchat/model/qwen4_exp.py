@@ -30,6 +30,12 @@ class ExpertBackend(Protocol):
     def finish(self, pending: object, x: Tensor, weights: Tensor) -> Tensor:
         """Weighted sum of the routed experts' outputs [T, D]."""
 
+    def end_step(self) -> None:
+        """One decode step is complete."""
+
+    def for_prefill(self) -> "ExpertBackend":
+        """The backend prefill chunks run through (they route to most experts of a layer)."""
+
 
 BLOCKS = ("ple", "attn_hyper_connection", "self_attn", "linear_attn", "mlp_hyper_connection", "mlp")
 

@@ -8,8 +8,8 @@ One MoE block of layer L (DESIGN.md section 3), in program order:
   prefetch:  after demand_done(L): prefetch copy of L+1 -> prefetch_done(L+1)
   compute:   shared expert (overlaps the copies), wait demand_done(L), routed expert kernel
 Every slot-map write (ensure, prefetch_ensure) is issued on the compute stream.
-Prefill (T > 1) reads its experts from the host rows (CPU) or a staging area and leaves the slot
-cache untouched.
+Prefill runs through `for_prefill()`: it reads its experts from the host rows (CPU) or a staging
+area and leaves the slot cache untouched.
 Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
 """
 
@@ -23,9 +23,30 @@ from torch import Tensor
 from ftchat.model.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.copy import copy_rows
-from ftchat.offload.experts import routed_experts
+from ftchat.offload.expert_kernels import routed_experts_any
 from ftchat.offload.hooks import Hooks
+from ftchat.offload.policy import POLICIES
 from ftchat.offload.streams import CpuStreams, CudaStreams
+
+
+class ResidentExperts:
+    """Every expert resident: rows [L*E, R]; the slot of (layer, e) is layer*E + e."""
+
+    def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int):
+        self.rows, self.layout, self.num_experts = rows, layout, num_experts
+
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        return ids, (ids + layer * self.num_experts).to(torch.int32)
+
+    def finish(self, pending: tuple[Tensor, Tensor], x: Tensor, weights: Tensor) -> Tensor:
+        ids, slots = pending
+        return routed_experts_any(x, self.rows, self.layout, slots, ids, weights)
+
+    def end_step(self) -> None:
+        pass
+
+    def for_prefill(self) -> "ResidentExperts":
+        return self
 
 
 @dataclass(frozen=True)
@@ -62,33 +83,39 @@ class OffloadExperts:
                         for i in range(self.num_layers)]
         self.streams, self.hooks = streams, hooks or Hooks()
         # ===== fixed-address state (a captured graph reads and writes these) =====
+        self.policy = POLICIES[cfg.policy]
         self.maps = sc.SlotMaps.create(self.num_layers, self.num_experts, cfg.num_slots, device)
         self.maps.on_write = self.hooks.on_map_write
         self.bank = torch.zeros(cfg.num_slots + 1, layout.nbytes, dtype=torch.uint8, device=device)
-        self.stats = sc.CacheStats.create(self.num_layers, device)
-        self.cands: list[Tensor | None] = [None] * self.num_layers  # predictor output per layer
+        # measure mode: per layer [selected, useful, demand misses] (what prefetch would do)
+        self.measured = torch.zeros(self.num_layers, 3, dtype=torch.int64, device=device)
+        # predictor output per layer [C] (written on the predictor stream)
+        self.cands = torch.zeros(self.num_layers, cfg.candidates, dtype=torch.int64, device=device)
         self.pred_done: list[object] = [None] * self.num_layers
         self.prefetch_done: list[object] = [None] * self.num_layers
         self.step = 0  # decode steps so far (debug records)
 
     # ===== ExpertBackend =====
+    def for_prefill(self) -> ResidentExperts:
+        """Prefill reads its experts from the host rows and leaves the slot cache untouched."""
+        if self.device.type != "cpu":
+            raise NotImplementedError("prefill with offloaded experts on CUDA: staging area")
+        return ResidentExperts(self.host, self.layout, self.num_experts)
+
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
-        if x.shape[0] > 1 and self.host.device.type == "cpu" and self.device.type == "cpu":
-            return self._prefill_begin(layer, ids)
         s, cfg = self.streams, self.cfg
         nxt = layer + 1 if layer + 1 < self.num_layers else None
         if cfg.prefetch != "off" and nxt is not None:
             self._predict(nxt, x)
-        if cfg.prefetch == "measure" and self.cands[layer] is not None:
+        if cfg.prefetch == "measure" and layer > 0:
             self._measure(layer, ids)  # the maps are as they were when the candidates were made
         s.wait("compute", self.prefetch_done[layer])  # the join: prefetch copy of L before ensure(L)
-        plan = self._run_compute(lambda: sc.ensure(self.maps, layer, ids, cfg.policy, self.stats))
+        plan = self._run_compute(lambda: sc.ensure(self.maps, layer, ids, self.policy))
         pplan = None
         if cfg.prefetch == "on" and nxt is not None:
             s.wait("compute", self.pred_done[nxt])
             pplan = self._run_compute(lambda: sc.prefetch_ensure(
-                self.maps, nxt, self.cands[nxt], self.budgets[nxt], plan.slots, cfg.policy,
-                self.stats))
+                self.maps, nxt, self.cands[nxt], self.budgets[nxt], plan.slots, self.policy))
         ready = s.record("compute")
         s.wait("copy", ready)
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
@@ -104,7 +131,7 @@ class OffloadExperts:
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
         self.streams.wait("compute", p.ready)
         self.hooks.before_kernel(self, p)
-        out = routed_experts(x, p.bank, self.layout, p.slots, p.ids, weights)
+        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
         self.hooks.after_kernel(self, p)
         return out
 
@@ -126,22 +153,17 @@ class OffloadExperts:
 
         def run():
             probs = torch.softmax(x @ w.T, dim=-1, dtype=torch.float32)  # [T, E]
-            self.cands[nxt] = probs.sum(0).topk(k).indices  # [C], best first
+            self.cands[nxt] = probs.sum(0).topk(k).indices  # [C], best first (in place)
         s.run("predictor", run)
         self.pred_done[nxt] = s.record("predictor")
 
     def _measure(self, layer: int, ids: Tensor) -> None:
         """Count what prefetch would have done for `layer` (read-only)."""
         self.streams.wait("compute", self.pred_done[layer])
-        self._run_compute(lambda: sc.prefetch_measure(
-            self.maps, layer, self.cands[layer], self.budgets[layer], ids, self.stats))
+        c = sc.prefetch_measure(self.maps, layer, self.cands[layer], self.budgets[layer], ids)
+        self.measured[layer] += torch.cat([c.selected, c.useful, c.misses])
 
     def _copy(self, plan, layer: int, kind: str) -> None:
         self.hooks.before_copy(self, plan, layer, kind)
         copy_rows(self.host, self.bank, plan.src, plan.dst, plan.count, self.cfg.copy_programs)
         self.hooks.after_copy(self, plan, layer, kind)
-
-    def _prefill_begin(self, layer: int, ids: Tensor) -> Pending:
-        # Prefill: read every routed expert straight from the host rows; the cache is untouched.
-        slots = (ids + layer * self.num_experts).to(torch.int32)
-        return Pending(layer, ids, slots, self.host, None)

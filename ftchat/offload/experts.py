@@ -47,17 +47,3 @@ def routed_experts(x: Tensor, rows: Tensor, layout: RowLayout, slots: Tensor, id
         y = y * weights.flatten()[hit, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
-
-
-class ResidentExperts:
-    """Every expert resident: rows [L*E, R]; the slot of (layer, e) is layer*E + e."""
-
-    def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int):
-        self.rows, self.layout, self.num_experts = rows, layout, num_experts
-
-    def begin(self, layer: int, x: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        return ids, ids + layer * self.num_experts
-
-    def finish(self, pending: tuple[Tensor, Tensor], x: Tensor, weights: Tensor) -> Tensor:
-        ids, slots = pending
-        return routed_experts(x, self.rows, self.layout, slots, ids, weights)

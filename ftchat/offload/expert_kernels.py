@@ -1,0 +1,266 @@
+"""Routed experts for decode, reading weights straight from the slot bank by slot id (Triton).
+
+Three kernels: (1) one program per (token, k, block of I rows): the gate and up GEMVs in one
+tile, h = silu(g) * u, stored fp32 [T, K, I]; (2) one program per (token, k, block of D rows): the
+down GEMV, y fp32 [T, K, D]; (3) out[t] = sum_k weights[t, k] * y[t, k] in fp32, k ascending, cast
+to x.dtype. Splitting (2) from (3) keeps every (token, k) in flight at once. NVFP4 rows are
+dequantized in the kernel: per 16-element group sum E2M1 * x, times the fp32 block scale, summed
+over the reduction, times the row's global once after the loop. A program reads only its slot's
+bytes, so the result does not depend on which slot holds an expert. `routed_experts_decode_ref` is
+the same math in torch; `routed_experts_any` is the one call site for the engine.
+Legend: T tokens, D hidden, K top-k, I expert inner dim, S slots, R row bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ftchat.model.rows import RowLayout
+from ftchat.offload.experts import expert_weights, routed_experts
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs and CI: routed_experts_any falls back to torch
+    triton = tl = None
+    HAS_TRITON = False
+
+DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
+
+
+def _jit(fn):
+    return triton.jit(fn) if HAS_TRITON else fn
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """Tile sizes (powers of two); fixed, not autotuned, since decode runs in a CUDA graph."""
+
+    gate_up_rows: int = 16  # h rows per program of kernel 1 (it reads as many gate and up rows)
+    gate_up_k: int = 256  # reduction elements (over D) per loop step of kernel 1
+    down_rows: int = 32  # output rows per program of kernel 2
+    down_k: int = 128  # reduction elements (over I) per loop step of kernel 2
+    combine_rows: int = 256  # output columns per program of kernel 3
+    num_warps: int = 4
+
+
+# ===== device helpers =====
+
+
+@_jit
+def _e2m1_scaled(c):
+    # low nibble of c -> E2M1 value * 2^-14, exact: the fp16 with sign at bit 15 and e1 e0 m at
+    # bits 11..9 (codes 0 and 1 land on fp16 subnormals, so no special case)
+    bits = ((c & 7) << 9) | ((c & 8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@_jit
+def _fp4_dot(u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
+             S_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+             EVEN: tl.constexpr):
+    # sum_k E2M1[w[row, k]] * scale[row, k // 16] * x[k] for rows [BLOCK_N]; no global yet.
+    # u8_ptr: the slot row's first byte; BLOCK_B packed bytes (2 * BLOCK_B elements) per step.
+    bb = tl.arange(0, BLOCK_B)
+    gg = tl.arange(0, BLOCK_B // 8)
+    acc = tl.zeros([BLOCK_N, BLOCK_B // 8], dtype=tl.float32)
+    for kb in range(0, K // 2, BLOCK_B):
+        if EVEN:  # BLOCK_B divides K / 2: no mask along k
+            w_ok, s_ok, x_ok = rows_ok[:, None], rows_ok[:, None], bb < BLOCK_B
+        else:
+            w_ok = rows_ok[:, None] & (kb + bb < K // 2)[None, :]
+            s_ok = rows_ok[:, None] & (kb // 8 + gg < K // 16)[None, :]
+            x_ok = kb + bb < K // 2
+        w = tl.load(u8_ptr + W_OFF + rows[:, None] * (K // 2) + kb + bb[None, :], mask=w_ok,
+                    other=0).to(tl.int32)  # [BLOCK_N, BLOCK_B]
+        x_even = tl.load(x_ptr + 2 * (kb + bb), mask=x_ok, other=0.0).to(tl.float32)
+        x_odd = tl.load(x_ptr + 2 * (kb + bb) + 1, mask=x_ok, other=0.0).to(tl.float32)
+        # low nibble: element 2j, high nibble: 2j + 1
+        p = _e2m1_scaled(w) * x_even[None, :] + _e2m1_scaled(w >> 4) * x_odd[None, :]
+        p = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_B // 8, 8)), axis=2)  # [BLOCK_N, groups]
+        s = tl.load(u8_ptr + S_OFF + rows[:, None] * (K // 16) + kb // 8 + gg[None, :],
+                    mask=s_ok, other=0)
+        # e4m3 -> fp32 is exact; 2^14 undoes the decode's factor exactly
+        acc += p * (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0)
+    return tl.sum(acc, axis=1)
+
+
+@_jit
+def _dense_dot(w_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    # sum_k w[row, k] * x[k] for rows [BLOCK_N]; w_ptr: the slot row's first element
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for kb in range(0, K, BLOCK_K):
+        if EVEN:
+            w_ok, x_ok = rows_ok[:, None], kk < BLOCK_K
+        else:
+            w_ok, x_ok = rows_ok[:, None] & (kb + kk < K)[None, :], kb + kk < K
+        w = tl.load(w_ptr + W_OFF + rows[:, None] * K + kb + kk[None, :], mask=w_ok, other=0.0)
+        x = tl.load(x_ptr + kb + kk, mask=x_ok, other=0.0)
+        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@_jit
+def _rows_dot(row_ptr, f32_row_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, FP4: tl.constexpr,
+              W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
+    # one GEMV tile of a slot row: [BLOCK_N] fp32 outputs, NVFP4 globals applied after the loop
+    if FP4:
+        y = _fp4_dot(row_ptr, x_ptr, rows, rows_ok, K, W_OFF, S_OFF, BLOCK_N, BLOCK_R, EVEN)
+        y = y * tl.load(f32_row_ptr + G_OFF + rows, mask=rows_ok, other=0.0)
+    else:
+        y = _dense_dot(row_ptr, x_ptr, rows, rows_ok, K, W_OFF, BLOCK_N, BLOCK_R, EVEN)
+    return y
+
+
+# ===== kernels: gate_up + silu * up, down, weighted sum over k =====
+
+
+@_jit
+def _gate_up_kernel(x_ptr, w_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_F32,
+                    D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
+                    W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
+    # grid (T * K, cdiv(I, BLOCK_N)); w_ptr: the bank as uint8 (FP4) or as the dense dtype
+    tk = tl.program_id(0)
+    r = tl.arange(0, 2 * BLOCK_N)
+    h_rows = tl.program_id(1) * BLOCK_N + r // 2  # [2 * BLOCK_N]
+    rows = h_rows + (r % 2) * I  # gate rows and up rows interleaved, one tile for both
+    ok = h_rows < I
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    gu = _rows_dot(w_ptr + slot * ROW_W, f32_ptr + slot * ROW_F32, x_ptr + (tk // K) * D, rows,
+                   ok, D, FP4, W_OFF, S_OFF, G_OFF, 2 * BLOCK_N, BLOCK_R, EVEN)
+    gu = tl.reshape(gu, (BLOCK_N, 2))
+    up = tl.arange(0, 2)[None, :] == 1
+    g = tl.sum(tl.where(up, 0.0, gu), axis=1)  # [BLOCK_N]; adding zeros is exact
+    u = tl.sum(tl.where(up, gu, 0.0), axis=1)
+    out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + tk * I + out, g * tl.sigmoid(g) * u, mask=out < I)
+
+
+@_jit
+def _down_kernel(h_ptr, w_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_F32,
+                 D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr,
+                 W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
+    # grid (T * K, cdiv(D, BLOCK_N)); h [T, K, I] fp32 -> y [T, K, D] fp32
+    tk = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < D
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    y = _rows_dot(w_ptr + slot * ROW_W, f32_ptr + slot * ROW_F32, h_ptr + tk * I, rows, ok, I,
+                  FP4, W_OFF, S_OFF, G_OFF, BLOCK_N, BLOCK_R, EVEN)
+    tl.store(y_ptr + tk * D + rows, y, mask=ok)
+
+
+@_jit
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    # grid (T, cdiv(D, BLOCK_N)); out[t] = sum_k weights[t, k] * y[t, k], k ascending, fp32
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < D
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(K):
+        w = tl.load(weights_ptr + t * K + k).to(tl.float32)
+        acc += w * tl.load(y_ptr + (t * K + k) * D + cols, mask=ok, other=0.0)
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+# ===== wrapper =====
+
+
+def _block(n: int, cap: int) -> tuple[int, bool]:
+    # (reduction step, no mask needed): the largest power of two <= cap dividing n, unless that is
+    # under a quarter of a full step; then a full step with a mask on the last one
+    b, full = min(n & -n, cap), min(cap, triton.next_power_of_2(n))
+    return (b, True) if 4 * b >= full else (full, n % full == 0)
+
+
+def _offset(layout: RowLayout, name: str, unit: int) -> int:
+    off = next(p.offset for p in layout.parts if p.name == name)
+    assert off % unit == 0
+    return off // unit
+
+
+def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
+                          weights: Tensor, tiles: DecodeTiles = DecodeTiles()) -> Tensor:
+    """sum_k weights[t, k] * expert(slot slots[t, k])(x[t]) for decode; x [T, D] -> [T, D].
+
+    Args:
+        x: [T, D] activations (bf16 or fp32); the output has x's dtype.
+        bank: [S (+1), R] uint8 slot bank on x's device.
+        layout: the row layout ('nvfp4' or a dense dtype).
+        slots, weights: [T, K] slot ids (int32/int64) and routing weights.
+        tiles: tile sizes (the benchmark sweeps them).
+    """
+    T, D = x.shape
+    K, I, R = slots.shape[1], layout.inter, bank.shape[1]
+    assert D == layout.hidden and R == layout.nbytes and bank.dtype == torch.uint8
+    assert bank.is_contiguous() and slots.shape == weights.shape == (T, K)
+    assert x.device == bank.device == slots.device == weights.device
+    x, slots, weights = x.contiguous(), slots.contiguous(), weights.contiguous()
+    f32 = bank.view(torch.float32)  # NVFP4 per-row globals
+    if layout.kind == "nvfp4":
+        assert D % 16 == 0 and I % 16 == 0
+        w, unit, fp4 = bank, 1, True
+        # steps count packed bytes (2 elements each) and must hold whole 16-element groups
+        (b1, even1), (b2, even2) = _block(D // 2, tiles.gate_up_k // 2), _block(I // 2,
+                                                                                 tiles.down_k // 2)
+        assert b1 >= 8 and b2 >= 8, "NVFP4 steps must hold whole scale groups (>= 16 elements)"
+        names = ("gate_up", "gate_up_scale", "gate_up_global"), ("down", "down_scale", "down_global")
+        offs = [(_offset(layout, a, 1), _offset(layout, b, 1), _offset(layout, c, 4))
+                for a, b, c in names]
+    else:
+        w, fp4 = bank.view(layout.dtype), False
+        unit = w.element_size()
+        (b1, even1), (b2, even2) = _block(D, tiles.gate_up_k), _block(I, tiles.down_k)
+        offs = [(_offset(layout, "gate_up", unit), 0, 0), (_offset(layout, "down", unit), 0, 0)]
+    h = torch.empty(T, K, I, dtype=torch.float32, device=x.device)
+    y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x)
+    nw = tiles.num_warps
+    n1, n2, n3 = tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
+    _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
+        x, w, f32, slots, h, R // unit, R // 4, D=D, I=I, K=K, FP4=fp4, W_OFF=offs[0][0],
+        S_OFF=offs[0][1], G_OFF=offs[0][2], BLOCK_N=n1, BLOCK_R=b1, EVEN=even1, num_warps=nw)
+    _down_kernel[(T * K, triton.cdiv(D, n2))](
+        h, w, f32, slots, y, R // unit, R // 4, D=D, I=I, FP4=fp4, W_OFF=offs[1][0],
+        S_OFF=offs[1][1], G_OFF=offs[1][2], BLOCK_N=n2, BLOCK_R=b2, EVEN=even2, num_warps=nw)
+    _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3, num_warps=nw)
+    return out
+
+
+# ===== torch mirror and dispatcher =====
+
+
+def routed_experts_decode_ref(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
+                              weights: Tensor) -> Tensor:
+    """The kernels' math in torch: fp32 weights (exact NVFP4 dequant), fp32 h, k ascending."""
+    T, K = slots.shape
+    rows = bank[slots.flatten().long()]  # [T*K, R]
+    gate_up, down = expert_weights(rows, layout, torch.float32)  # [T*K, 2I, D], [T*K, D, I]
+    xk = x.float().repeat_interleave(K, dim=0)  # [T*K, D]
+    g, u = torch.bmm(gate_up, xk[:, :, None])[:, :, 0].chunk(2, dim=-1)  # [T*K, I] each
+    y = torch.bmm(down, (F.silu(g) * u)[:, :, None])[:, :, 0].view(T, K, -1)  # [T, K, D]
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    for k in range(K):
+        out += weights[:, k, None].float() * y[:, k]
+    return out.to(x.dtype)
+
+
+def routed_experts_any(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
+                       weights: Tensor) -> Tensor:
+    """Routed experts from the slot bank: the Triton kernels on CUDA for decode-sized batches,
+    else the torch reference. x [T, D]; slots, ids, weights [T, K]."""
+    if x.is_cuda and HAS_TRITON and x.shape[0] <= DECODE_MAX_TOKENS:
+        return routed_experts_triton(x, bank, layout, slots, weights)
+    return routed_experts(x, bank, layout, slots, ids, weights)

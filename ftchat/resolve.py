@@ -1,0 +1,108 @@
+"""MODEL argument -> a local checkpoint folder: a path, a Hugging Face repo id, or the demo model.
+
+The demo model is written once into the user cache folder, so a fresh install runs end to end
+with no download. `default_model_path` is the one place that decides what it is.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ftchat.errors import FtchatError, ModelError
+
+# Only what ftchat reads: config, generation config, tokenizer files, safetensors shards + index.
+ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DEMO_NAME = "demo-tiny"
+DEMO_NOTICE = ("demo model: a tiny synthetic checkpoint with RANDOM weights, so replies are "
+               "noise; pass MODEL (a folder or a Hugging Face repo id) to chat with a real model")
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    path: Path
+    name: str  # what the user typed, or "demo"
+    demo: bool = False
+
+
+def cache_dir(env: Mapping[str, str]) -> Path:
+    """ftchat's user cache folder: $XDG_CACHE_HOME/ftchat, else ~/.cache/ftchat."""
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "ftchat"
+
+
+def default_model_path(env: Mapping[str, str]) -> Path:
+    """The embedded default model, written on first use (a later release ships a trained one)."""
+    path = cache_dir(env) / DEMO_NAME
+    if not (path / "config.json").is_file():
+        _write_demo(path)
+    return path
+
+
+def _write_demo(path: Path) -> None:
+    from ftchat.model.synth import write_checkpoint
+
+    try:
+        write_checkpoint(path, "tiny", fmt="nvfp4-modelopt", seed=0)
+    except (FtchatError, OSError) as e:
+        # Another ftchat may have written it meanwhile: its atomic rename leaves a whole folder.
+        if not (path / "config.json").is_file():
+            raise ModelError(f"cannot write the demo model to {path}: {e}") from None
+
+
+def resolve_model(model: str | None, env: Mapping[str, str]) -> ResolvedModel:
+    """A local folder for `model` (None: the demo model).
+
+    Args:
+        model: a folder, or an HF repo id `owner/name` fetched with snapshot_download.
+        env: the process environment (HF_HUB_OFFLINE, XDG_CACHE_HOME).
+    Raises:
+        ModelError: missing folder, or a repo that is neither cached nor downloadable.
+    """
+    if model is None:
+        return ResolvedModel(default_model_path(env), "demo", demo=True)
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ResolvedModel(path, model)
+    if path.exists():
+        raise ModelError(f"{model}: not a folder (MODEL is a checkpoint folder or a repo id)")
+    if not REPO_ID.match(model) or model.startswith((".", "/", "~")):
+        raise ModelError(f"{model}: no such model folder")
+    return ResolvedModel(_snapshot(model, _offline(env)), model)
+
+
+def _offline(env: Mapping[str, str]) -> bool:
+    return env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _snapshot(repo: str, offline: bool) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                        RepositoryNotFoundError, RevisionNotFoundError)
+
+    how = f"run `hf download {repo}` on a machine with network, or pass a local folder"
+    try:
+        return Path(snapshot_download(repo, allow_patterns=ALLOW_PATTERNS,
+                                      local_files_only=offline))
+    except LocalEntryNotFoundError:
+        where = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
+        raise ModelError(f"{repo}: not a local folder, and not in the Hugging Face cache "
+                         f"({where}): {how}") from None
+    except GatedRepoError:
+        raise ModelError(f"{repo}: gated repository: accept its terms on huggingface.co and "
+                         "log in with `hf auth login`") from None
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        raise ModelError(f"{repo}: no such Hugging Face repository (or it is private), "
+                         "and no such local folder") from None
+    except ValueError as e:  # HFValidationError: not a valid repo id
+        raise ModelError(f"{repo}: no such model folder, nor a valid repo id ({_first_line(e)})"
+                         ) from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelError(f"{repo}: download failed ({_first_line(e)}): {how}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,0 +1,301 @@
+"""The engine's public session object: the one thing the UI talks to.
+
+A Session holds the loaded model, its tokenizer, the settings, the expert backend and, for
+interactive chat, the conversation's DecodeState. It turns token ids into a stream of StepRecords
+(one per generated token) that carry everything the panel shows.
+Legend: B batch, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import count
+from pathlib import Path
+
+import torch
+
+from ftchat import engine
+from ftchat.errors import FtchatError
+from ftchat.model.qwen4_exp import ExpertBackend
+from ftchat.model.state import DecodeState
+from ftchat.model.tokenizer import IM_END, Tokenizer
+from ftchat.settings import Settings
+
+DEFAULT_CONTEXT = 32768  # KV capacity when --context is not given (and the model allows it)
+STATS_EVERY_S = 0.5  # backend stats may sync the device: read them at most this often
+TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the next <|im_start|>
+
+
+def build_experts(model: engine.LoadedModel, settings: Settings) -> ExpertBackend:
+    # The slot cache + prefetch backend once the engine has it; every expert resident until then.
+    build = getattr(engine, "build_experts", None)
+    return build(model, settings) if build is not None else engine.resident_backend(model)
+
+
+@dataclass(frozen=True)
+class Figures:
+    """Throughput and memory of the current call (a batch, or one chat reply)."""
+
+    prefill_tokens: int
+    prefill_s: float
+    decode_tokens: int  # tokens from decode steps (each reply's first token comes from prefill)
+    decode_s: float
+    tokens: int  # generated so far in this call, every sequence
+    context: int  # tokens held by the longest sequence
+    max_context: int
+    vram_used: int | None = None  # bytes, CUDA only
+    vram_peak: int | None = None
+    offload: Mapping[str, float] = field(default_factory=dict)  # backend stats(), if it has them
+
+    @property
+    def prefill_tps(self) -> float | None:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
+
+    @property
+    def decode_tps(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One generated token of sequence `seq` (its index in the prompts; 0 in chat)."""
+
+    seq: int
+    token: int
+    n: int  # tokens generated for this sequence so far, this one included
+    stop: str | None  # None, or why the sequence ends here: eos | length | context
+    prompt_tokens: int
+    prefill_s: float  # this sequence's prefill
+    decode_s: float  # since this sequence's first token
+    figures: Figures
+
+
+class _Clock:
+    """Wall time that includes the device's queued work, and a throttle for backend stats."""
+
+    def __init__(self, device: torch.device, experts: ExpertBackend):
+        self.device, self.experts = device, experts
+        self.stats: dict[str, float] = {}
+        self.stats_at = -1e9
+
+    def now(self, sync: bool = True) -> float:
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # SYNC: timing only (prefill boundaries)
+        return time.perf_counter()
+
+    def offload(self, force: bool) -> dict[str, float]:
+        stats = getattr(self.experts, "stats", None)
+        if stats is not None and (force or time.perf_counter() - self.stats_at > STATS_EVERY_S):
+            self.stats, self.stats_at = dict(stats()), time.perf_counter()
+        return self.stats
+
+
+class Session:
+    """A loaded model ready to generate; for chat it also keeps the conversation."""
+
+    def __init__(self, model: engine.LoadedModel, tokenizer: Tokenizer, settings: Settings,
+                 experts: ExpertBackend):
+        self.model, self.tokenizer, self.settings, self.experts = model, tokenizer, settings, experts
+        a = model.args
+        self.max_len = settings.context or min(a.max_position_embeddings, DEFAULT_CONTEXT)
+        self.im_end = tokenizer.special_ids[IM_END]
+        # ===== conversation (chat) =====
+        self._state: DecodeState | None = None
+        self.length = 0  # tokens in the conversation's state
+        self._pending: list[int] = []  # tokens of the last reply not yet in the state
+
+    @classmethod
+    def open(cls, folder: str | Path, settings: Settings,
+             progress: Callable[[str, int, int], None] | None = None) -> Session:
+        """Load `folder` on the settings' device and dtype.
+
+        Args:
+            folder: a checkpoint folder (config.json, safetensors, tokenizer files).
+            progress: called as (stage, done, total) while the weights load.
+        """
+        device, dtype = settings.torch_device(), settings.torch_dtype()
+        tokenizer = Tokenizer.from_folder(folder)  # cheap: fails before the weights load
+        model = engine.load_model(folder, str(device), dtype, progress)
+        return cls(model, tokenizer, settings, build_experts(model, settings))
+
+    def describe(self) -> str:
+        a, m = self.model.args, self.model
+        n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
+        dtype = str(m.dtype).removeprefix("torch.")
+        return (f"{a.num_hidden_layers} layers ({a.num_hidden_layers - n_attn} GDN, {n_attn} "
+                f"attention), {a.num_experts} experts top-{a.num_experts_per_tok} "
+                f"({m.layout.kind} rows), {m.device.type} {dtype}, context {self.max_len}, "
+                f"experts: {type(self.experts).__name__}")
+
+    # ===== prompts =====
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """Token ids of `messages` rendered with the chat template, assistant turn opened."""
+        return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+
+    def turn_ids(self, user: str, system: str | None = None) -> list[int]:
+        """Ids of the next chat turn: the whole first prompt, then only the new user turn."""
+        if self.length == 0 and not self._pending:
+            sys_msg = [{"role": "system", "content": system}] if system else []
+            return self.encode_messages([*sys_msg, {"role": "user", "content": user}])
+        turn = self.tokenizer.render_chat([{"role": "user", "content": user}])
+        return self.tokenizer.encode(TURN_SEPARATOR + turn)
+
+    def _check_prompt(self, n: int, what: str) -> None:
+        if n == 0:
+            raise FtchatError(f"{what} is empty")
+        if n > self.max_len:
+            raise FtchatError(f"{what} has {n} tokens, more than the context ({self.max_len}): "
+                              "shorten it or raise --context")
+
+    # ===== batch =====
+    def generate_batch(self, prompts: Sequence[Sequence[int]],
+                       max_new_tokens: int | Sequence[int] | None = None,
+                       stop_ids: frozenset[int] | None = None) -> Iterator[StepRecord]:
+        """Greedy replies to independent prompts, up to batch_size decoded together.
+
+        Args:
+            prompts: token ids per prompt (already chat-rendered).
+            max_new_tokens: one limit, or one per prompt; None: the settings' limit.
+            stop_ids: a sequence ends on any of these (default: the tokenizer's eos ids).
+        Yields a record per token of every unfinished sequence; the last record of a sequence has
+        `stop` set. Prompts go in chunks of batch_size, in order.
+        """
+        limit = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
+        limits = [limit] * len(prompts) if isinstance(limit, int) else list(limit)
+        if len(limits) != len(prompts) or min(limits, default=1) < 1:
+            raise FtchatError("max_new_tokens: need one positive limit per prompt")
+        for i, p in enumerate(prompts):
+            self._check_prompt(len(p), f"prompt {i + 1}")
+        stops = self.tokenizer.eos_ids if stop_ids is None else frozenset(stop_ids)
+        return self._generate(prompts, limits, stops)
+
+    def _generate(self, prompts, limits, stops) -> Iterator[StepRecord]:
+        B = self.settings.batch_size
+        for first in range(0, len(prompts), B):
+            seqs = range(first, min(first + B, len(prompts)))
+            yield from self._chunk(seqs, [list(prompts[s]) for s in seqs],
+                                   [limits[s] for s in seqs], stops)
+
+    def _chunk(self, seqs: range, prompts: list[list[int]], limits: list[int],
+               stops: frozenset[int]) -> Iterator[StepRecord]:
+        m, B = self.model, len(prompts)
+        max_len = min(self.max_len, max(map(len, prompts)) + max(limits) + 1)
+        state = DecodeState.create(m.args, B, max_len, m.device, m.dtype)
+        clock = _Clock(m.device, self.experts)
+        last, prefill_s = [], []
+        for b, ids in enumerate(prompts):
+            t = clock.now()
+            last.append(engine.prefill(m, state, b, torch.tensor(ids), 0, self.experts)[-1])
+            prefill_s.append(clock.now() - t)
+        logits = torch.stack(last)  # [B, V]
+        lengths = [len(p) for p in prompts]
+        n, done, decode_tokens = [0] * B, [False] * B, 0
+        t0 = clock.now(sync=False)
+        while True:
+            # SYNC: the sampled tokens go to the host
+            tokens = logits.argmax(-1).tolist()  # [B]
+            now = clock.now(sync=False)
+            finishing = [_stop(t, n[b] + 1, limits[b], lengths[b], max_len, stops)
+                         for b, t in enumerate(tokens)]
+            fig = Figures(sum(map(len, prompts)), sum(prefill_s), decode_tokens, now - t0,
+                          sum(n) + done.count(False), max(lengths), max_len, *_vram(m.device),
+                          clock.offload(force=all(d or s for d, s in zip(done, finishing))))
+            for b, tok in enumerate(tokens):
+                if done[b]:
+                    continue
+                n[b] += 1
+                done[b] = finishing[b] is not None
+                yield StepRecord(seqs[b], tok, n[b], finishing[b], len(prompts[b]), prefill_s[b],
+                                 now - t0, fig)
+            if all(done):
+                return
+            logits = engine.decode_step(m, state, torch.tensor(tokens), lengths, self.experts)
+            decode_tokens += done.count(False)
+            # Finished rows still ride along (as in engine.generate) but never past the state.
+            lengths = [ln + 1 if not d else min(ln + 1, max_len - 1)
+                       for ln, d in zip(lengths, done)]
+
+    # ===== chat =====
+    @property
+    def context_used(self) -> int:
+        return self.length + len(self._pending)
+
+    def reset(self) -> None:
+        """Forget the conversation."""
+        if self._state is not None:
+            eos = self.model.args.eos_token_id
+            self._state.reset(slice(0, 1), eos if eos is not None else 0)
+        self.length, self._pending = 0, []
+
+    def chat(self, ids: Sequence[int]) -> Iterator[StepRecord]:
+        """The reply to a new turn `ids` (see turn_ids), continuing the conversation's state.
+
+        Only the new turn is prefilled. Closing the iterator early (Ctrl-C) ends the reply
+        cleanly: the tokens shown so far stay in the conversation, closed by <|im_end|>.
+        """
+        turn = [*self._pending, *ids]
+        if not ids:
+            raise FtchatError("empty turn")
+        if self.length + len(turn) > self.max_len:
+            if self.length == 0:
+                self._check_prompt(len(turn), "the prompt")
+            raise FtchatError(f"the conversation is full ({self.length} of {self.max_len} tokens "
+                              f"used, the new turn needs {len(turn)}): /reset to start over")
+        if self._state is None:
+            m = self.model
+            self._state = DecodeState.create(m.args, 1, self.max_len, m.device, m.dtype)
+        return self._reply(self._state, turn)
+
+    def _reply(self, state: DecodeState, turn: list[int]) -> Iterator[StepRecord]:
+        m, stops, clock = self.model, self.tokenizer.eos_ids, _Clock(self.model.device,
+                                                                     self.experts)
+        tok, fed = None, True
+        try:
+            t = clock.now()
+            logits = engine.prefill(m, state, 0, torch.tensor(turn), self.length, self.experts)
+            self.length, self._pending = self.length + len(turn), []
+            prefill_s = clock.now() - t
+            t0 = clock.now(sync=False)
+            for n in count(1):
+                # SYNC: the sampled token goes to the host
+                tok, fed = int(logits[-1].argmax()), False
+                now = clock.now(sync=False)
+                stop = _stop(tok, n, self.settings.max_new_tokens, self.length, self.max_len,
+                             stops)
+                fig = Figures(len(turn), prefill_s, n - 1, now - t0, n, self.length,
+                              self.max_len, *_vram(m.device), clock.offload(force=stop is not None))
+                yield StepRecord(0, tok, n, stop, len(turn), prefill_s, now - t0, fig)
+                if stop is not None:
+                    break
+                logits = engine.decode_step(m, state, torch.tensor([tok]), [self.length],
+                                            self.experts)
+                self.length, fed = self.length + 1, True
+        except GeneratorExit:
+            pass  # closed at a yield: the state is whole, `tok` was shown but not fed
+        except BaseException:
+            self.reset()  # interrupted inside a step: the state is half-written
+            raise
+        if tok is not None and not fed:
+            # The turn ends with <|im_end|> (a stop token is replaced by it); fed with the next turn.
+            self._pending = [self.im_end] if tok in stops else [tok, self.im_end]
+
+
+def _stop(token: int, n: int, limit: int, length: int, max_len: int,
+          stops: frozenset[int]) -> str | None:
+    """Why a sequence ends at its n-th token, if it does (`length` = tokens in its state)."""
+    if token in stops:
+        return "eos"
+    if n >= limit:
+        return "length"
+    if length >= max_len:  # no room to feed this token back
+        return "context"
+    return None
+
+
+def _vram(device: torch.device) -> tuple[int | None, int | None]:
+    if device.type != "cuda":
+        return None, None
+    return torch.cuda.memory_allocated(device), torch.cuda.max_memory_allocated(device)
+

@@ -1,0 +1,217 @@
+"""Settings: one frozen object, resolved once at start-up from CLI flags, then the
+`FREETOKEN_MOE_*` environment variables of the seeds, then defaults (DESIGN.md section 1).
+
+Nothing else in ftchat reads these variables: the CLI passes `os.environ` in here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from ftchat.errors import FtchatError, SettingsError
+
+ENV_PREFETCH = "FREETOKEN_MOE_PREFETCH"
+ENV_BUDGET = "FREETOKEN_MOE_PREFETCH_BUDGET"
+ENV_K = "FREETOKEN_MOE_PREFETCH_K"
+ENV_VERIFY = "FREETOKEN_MOE_PREFETCH_VERIFY"
+ENV_AUDIT = "FREETOKEN_MOE_SLOT_AUDIT"
+ENV_SLIM_COPY = "FREETOKEN_MOE_SLIM_COPY"
+
+DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run is configured with; see `resolve_settings` for sources and checks."""
+
+    prefetch: str = "off"  # off | measure | on
+    budget_gdn: int = 3  # prefetches installed before a GDN layer
+    budget_attn: int = 4  # ... before an attention layer
+    candidates: int = 16  # router-lookahead top-K
+    slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
+    expert_vram_gib: float | None = None
+    eviction: str = "rule"  # rule | lru
+    overlap: bool = True  # shared expert runs while the demand copy is in flight
+    graph: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
+    max_new_tokens: int = 256
+    batch_size: int = 1
+    context: int | None = None  # KV capacity per sequence; None: model maximum, capped
+    device: str = "auto"  # auto | cuda | cpu
+    dtype: str = "auto"  # auto | float32 | bfloat16
+    verify: str | None = None  # None | meta | bytes
+    audit_every: int = 0  # 0: off
+    copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
+    record_routing: str | None = None
+    panel: bool | None = None  # None: on when stderr is a terminal
+    json: bool = False
+    system: str | None = None
+    prompt: str | None = None
+
+    def torch_device(self) -> torch.device:
+        """The resolved device: auto is cuda when available, else cpu."""
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise FtchatError("--device cuda: no CUDA device is available (use --device cpu)")
+        return torch.device(self.device)
+
+    def torch_dtype(self) -> torch.dtype:
+        """The resolved dtype: auto is bfloat16 on CUDA, float32 on CPU."""
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def use_graph(self) -> bool:
+        return self.torch_device().type == "cuda" if self.graph is None else self.graph
+
+
+# ===== value parsers: (value, where) -> parsed; `where` names the flag or variable =====
+
+
+def _fail(where: str, value: object, expected: str) -> SettingsError:
+    shown = f" {value!r}" if where.startswith("--") else f"={value!r}"
+    return SettingsError(f"{where}{shown}: expected {expected}")
+
+
+def _int(minimum: int) -> Callable[[object, str], int]:
+    expected = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
+
+    def parse(value: object, where: str) -> int:
+        if isinstance(value, bool):
+            raise _fail(where, value, expected)
+        try:
+            n = int(value.strip()) if isinstance(value, str) else int(value)
+        except (TypeError, ValueError):
+            raise _fail(where, value, expected) from None
+        if n < minimum or (isinstance(value, float) and value != n):
+            raise _fail(where, value, expected)
+        return n
+
+    return parse
+
+
+def _choice(*options: str) -> Callable[[object, str], str]:
+    def parse(value: object, where: str) -> str:
+        v = value.strip().lower() if isinstance(value, str) else value
+        if v not in options:
+            raise _fail(where, value, ", ".join(options[:-1]) + " or " + options[-1])
+        return v
+
+    return parse
+
+
+def _positive_float(value: object, where: str) -> float:
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise _fail(where, value, "a positive number of GiB") from None
+    if not x > 0 or x == float("inf"):
+        raise _fail(where, value, "a positive number of GiB")
+    return x
+
+
+def _verify_env(value: object, where: str) -> str | None:
+    # The seed's convention: meta checks maps, 1 also checks bytes; 0/off disable.
+    v = str(value).strip().lower()
+    table = {"meta": "meta", "1": "bytes", "bytes": "bytes", "0": None, "off": None}
+    if v not in table:
+        raise _fail(where, value, "meta, 1 (bytes) or 0")
+    return table[v]
+
+
+def _copy_programs_env(value: object, where: str) -> int:
+    v = str(value).strip().lower()
+    if v == "off":
+        return 0
+    if v == "on":
+        return DEFAULT_COPY_PROGRAMS
+    try:
+        return _int(0)(v, where)
+    except SettingsError:
+        raise _fail(where, value, "a number of copy programs, or off") from None
+
+
+def _text(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, value, "text")
+    return value
+
+
+def _bool(value: object, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise _fail(where, value, "true or false")
+    return value
+
+
+# ===== resolution =====
+
+# field -> (flag key in `flags`, flag as typed, parser, env variable, env parser)
+_SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
+    "prefetch": ("prefetch", "--prefetch", _choice("off", "measure", "on"), ENV_PREFETCH,
+                 _choice("off", "measure", "on")),
+    "candidates": ("candidates", "--candidates", _int(1), ENV_K, _int(1)),
+    "slots": ("slots", "--slots", _int(1), None, None),
+    "expert_vram_gib": ("expert_vram", "--expert-vram", _positive_float, None, None),
+    "eviction": ("eviction", "--eviction", _choice("rule", "lru"), None, None),
+    "overlap": ("overlap", "--overlap", _bool, None, None),
+    "graph": ("graph", "--graph", _bool, None, None),
+    "max_new_tokens": ("max_new_tokens", "--max-new-tokens", _int(1), None, None),
+    "batch_size": ("batch_size", "--batch-size", _int(1), None, None),
+    "context": ("context", "--context", _int(1), None, None),
+    "device": ("device", "--device", _choice("auto", "cuda", "cpu"), None, None),
+    "dtype": ("dtype", "--dtype", _choice("auto", "float32", "bfloat16"), None, None),
+    "verify": ("verify", "--verify", _choice("meta", "bytes"), ENV_VERIFY, _verify_env),
+    "audit_every": ("audit", "--audit", _int(0), ENV_AUDIT, _int(0)),
+    "copy_programs": ("copy_programs", "--copy-programs", _int(0), ENV_SLIM_COPY,
+                      _copy_programs_env),
+    "record_routing": ("record_routing", "--record-routing", _text, None, None),
+    "panel": ("panel", "--panel", _bool, None, None),
+    "json": ("json", "--json", _bool, None, None),
+    "system": ("system", "--system", _text, None, None),
+    "prompt": ("prompt", "--prompt", _text, None, None),
+}
+
+KNOWN_FLAGS = {src[0] for src in _SOURCES.values()} | {"budget", "budget_gdn", "budget_attn"}
+
+
+def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Settings:
+    """Settings from CLI flags (None = not given), then environment variables, then defaults.
+
+    Args:
+        flags: flag name with underscores (`budget_gdn`, `expert_vram`, ...) -> value or None.
+        env: the process environment (only the FREETOKEN_MOE_* variables are read).
+    Raises:
+        SettingsError: one line naming the flag or variable with the bad value.
+    """
+    unknown = sorted(set(flags) - KNOWN_FLAGS)
+    if unknown:
+        raise SettingsError(f"unknown setting(s): {', '.join(unknown)}")
+    values: dict[str, object] = {}
+    for field, (key, flag, parse, var, parse_env) in _SOURCES.items():
+        if flags.get(key) is not None:
+            values[field] = parse(flags[key], flag)
+        elif var is not None and env.get(var, "").strip():
+            values[field] = parse_env(env[var], var)
+    values.update(_budgets(flags, env))
+    if values.get("slots") is not None and values.get("expert_vram_gib") is not None:
+        raise SettingsError("--slots and --expert-vram are exclusive: give one of them")
+    return Settings(**values)
+
+
+def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, int]:
+    # --budget-gdn / --budget-attn beat --budget, which beats the variable (it sets both).
+    parse = _int(0)
+    out: dict[str, int] = {}
+    if env.get(ENV_BUDGET, "").strip():
+        n = parse(env[ENV_BUDGET], ENV_BUDGET)
+        out = {"budget_gdn": n, "budget_attn": n}
+    if flags.get("budget") is not None:
+        n = parse(flags["budget"], "--budget")
+        out = {"budget_gdn": n, "budget_attn": n}
+    for field, flag in (("budget_gdn", "--budget-gdn"), ("budget_attn", "--budget-attn")):
+        if flags.get(field) is not None:
+            out[field] = parse(flags[field], flag)
+    return out

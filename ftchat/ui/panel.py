@@ -1,0 +1,161 @@
+"""Where replies and figures go: reply text to stdout, the live panel (rich) on a terminal.
+
+The panel draws on stderr so that stdout stays clean for pipes. When stdout is the terminal too,
+the reply text is routed through the panel's console (on stdout): finished lines print above the
+panel, the unfinished line is part of it, so the two never overwrite each other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TextIO
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from ftchat.session import Figures, StepRecord
+
+# label, backend stats key, format: the offload figures, "-" until the backend reports them
+OFFLOAD = (
+    ("misses/token", "misses_per_token", "{:.2f}"),
+    ("hit rate", "hit_rate", "{:.1%}"),
+    ("prefetch copies", "prefetch_copies", "{:,.0f}"),
+    ("useful prefetches", "useful_prefetches", "{:,.0f}"),
+    ("precision", "precision", "{:.1%}"),
+    ("copy GB/s", "copy_gbps", "{:.1f}"),
+)
+
+
+def _num(x: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def figure_rows(f: Figures | None, context: str | None = None) -> list[tuple[str, str]]:
+    """(label, value) pairs of everything the panel shows; "-" where unknown."""
+    g = f or Figures(0, 0.0, 0, 0.0, 0, 0, 0)
+    rows = [
+        ("decode tok/s", _num(g.decode_tps)),
+        ("prefill tok/s", _num(g.prefill_tps)),
+        ("tokens", str(g.tokens) if f else "-"),
+        ("context", context or (f"{g.context}/{g.max_context}" if f else "-")),
+        ("VRAM used", _gib(g.vram_used)),
+        ("VRAM peak", _gib(g.vram_peak)),
+    ]
+    for label, key, fmt in OFFLOAD:
+        rows.append((label, _num(g.offload.get(key), fmt)))
+    return rows
+
+
+def figures_table(f: Figures | None, status: str = "") -> Table:
+    grid = Table.grid(padding=(0, 1))
+    rows = figure_rows(f)
+    for line in (rows[:6], rows[6:]):
+        cells = []
+        for label, value in line:
+            cells += [Text(label, style="dim"), Text(value, style="bold")]
+        grid.add_row(*cells)
+    if status:
+        grid.add_row(Text(status, style="cyan"))
+    return grid
+
+
+def summary_line(rec: StepRecord) -> str:
+    """llama-cli style timing of one reply: prompt eval, then eval (decode)."""
+    f = rec.figures
+    prompt = (f"prompt eval {f.prefill_s * 1e3:.1f} ms / {f.prefill_tokens} tokens "
+              f"({_num(f.prefill_tps)} tok/s)")
+    reply = (f"eval {f.decode_s * 1e3:.1f} ms / {f.decode_tokens} runs "
+             f"({_num(f.decode_tps)} tok/s)")
+    misses = _num(f.offload.get("misses_per_token"), "{:.2f}")
+    hit = _num(f.offload.get("hit_rate"), "{:.1%}")
+    return (f"{prompt} | {reply} | {rec.n} tokens | context {f.context}/{f.max_context} | "
+            f"misses/token {misses} | hit rate {hit}")
+
+
+class PlainWriter:
+    """No panel: text straight to the stream."""
+
+    def __init__(self, out: TextIO):
+        self.out = out
+
+    def write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+
+    def show(self, figures: Figures | None, status: str = "") -> None:
+        pass
+
+
+class PanelWriter:
+    """A rich Live panel; text either goes to `out` or, when `out` is None, through the panel."""
+
+    def __init__(self, console: Console, out: TextIO | None):
+        self.console, self.out = console, out
+        self.line = ""  # the unfinished line of text, drawn inside the panel
+        self.figures: Figures | None = None
+        self.status = ""
+        self.live = Live(console=console, refresh_per_second=4, transient=True,
+                         redirect_stdout=False, redirect_stderr=False,
+                         get_renderable=self._render)
+
+    def _render(self) -> Group:
+        return Group(Text(self.line), figures_table(self.figures, self.status))
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        if self.out is not None:
+            self.out.write(text)
+            self.out.flush()
+            return
+        done, newline, self.line = (self.line + text).rpartition("\n")
+        if newline:
+            self.console.print(Text(done), soft_wrap=True)  # above the panel, for good
+
+    def show(self, figures: Figures | None, status: str = "") -> None:
+        self.figures, self.status = figures, status
+
+
+class Screen:
+    """The terminal or pipes a run writes to, and whether it shows the live panel."""
+
+    def __init__(self, out: TextIO, err: TextIO, panel: bool | None):
+        self.out, self.err = out, err
+        self.panel = _isatty(err) if panel is None else panel
+
+    def note(self, line: str) -> None:
+        """A status line on stderr (banner, timing summary, notices)."""
+        self.err.write(line + "\n")
+        self.err.flush()
+
+    @contextmanager
+    def live(self) -> Iterator[PlainWriter | PanelWriter]:
+        """A writer for one reply (chat) or one run (batch); the panel lives as long as it."""
+        if not self.panel:
+            yield PlainWriter(self.out)
+            return
+        through = _isatty(self.out)  # the same screen: draw where the text goes
+        console = Console(file=self.out if through else self.err, highlight=False)
+        w = PanelWriter(console, None if through else self.out)
+        try:
+            with w.live:
+                yield w
+        finally:
+            if w.line:  # the unfinished last line stays on screen once the panel is gone
+                console.print(Text(w.line), end="", soft_wrap=True)
+                console.file.flush()
+
+
+def _isatty(stream: TextIO) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
