@@ -29,9 +29,8 @@ TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the ne
 
 
 def build_experts(model: engine.LoadedModel, settings: Settings) -> ExpertBackend:
-    # The slot cache + prefetch backend once the engine has it; every expert resident until then.
-    build = getattr(engine, "build_experts", None)
-    return build(model, settings) if build is not None else engine.resident_backend(model)
+    # The slot cache + prefetch backend the settings ask for (all resident when they all fit).
+    return engine.build_experts(model, settings)
 
 
 @dataclass(frozen=True)
@@ -51,11 +50,13 @@ class Figures:
 
     @property
     def prefill_tps(self) -> float | None:
-        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else None
+        return self.prefill_tokens / self.prefill_s if self.prefill_tokens and self.prefill_s > 0 \
+            else None
 
     @property
     def decode_tps(self) -> float | None:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else None
+        return self.decode_tokens / self.decode_s if self.decode_tokens and self.decode_s > 0 \
+            else None
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,7 @@ class Session:
             if all(done):
                 return
             logits = engine.decode_step(m, state, torch.tensor(tokens), lengths, self.experts)
+            self.experts.end_step()
             decode_tokens += done.count(False)
             # Finished rows still ride along (as in engine.generate) but never past the state.
             lengths = [ln + 1 if not d else min(ln + 1, max_len - 1)
@@ -271,6 +273,7 @@ class Session:
                     break
                 logits = engine.decode_step(m, state, torch.tensor([tok]), [self.length],
                                             self.experts)
+                self.experts.end_step()
                 self.length, fed = self.length + 1, True
         except GeneratorExit:
             pass  # closed at a yield: the state is whole, `tok` was shown but not fed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ftchat.model.synth import write_checkpoint
 
@@ -21,3 +22,8 @@ def tiny_nvfp4(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_ct(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-ct", "tiny", fmt="nvfp4-ct", seed=1)
+
+
+# Two cores in CI: intra-op threads fight each other and the other test workers (an index_add_
+# took 14 ms instead of microseconds under contention), so the tests run single-threaded.
+torch.set_num_threads(1)

@@ -96,8 +96,8 @@ def test_slots_of_the_current_call_are_never_victims():
     ensure(m, 0, t([[0, 1, 2]]), LRU)
     m.key[1:3] = R(50, 16)  # a state rule can reach: frequent experts with a large bonus
     p = ensure(m, 0, t([[0, 5, 6]]), LRU)
-    # id 0's fresh stamp is now the lowest held key, yet only slots 3 (empty) and 1 are taken.
-    assert m.key[0] < m.key[1] and m.key[0] < m.key[2]
+    # id 0's fresh stamp was the lowest held key, yet only slots 3 (empty) and 1 are taken.
+    assert int(m.key[0]) == R(2) < R(50, 16) == int(m.key[2])
     assert plan_lists(p) == ([5, 6, 8], [3, 1, 4], [2]) and state(m)[1] == [0, 6, 2, 5]
 
 
@@ -269,9 +269,9 @@ def test_keys_stay_in_their_bands_after_2_to_the_31_steps():
     for _ in range(40):  # drive rule's count to its cap on id 0
         p = ensure(m, 0, t([[0]]), RULE)
         prefetch_ensure(m, 1, t([1, 2]), 2, p.slots, RULE)
-    key = m.key[:4]
-    assert band_of(key).tolist() == [2, 1, 1, 0] and bool((key > 0).all())
-    assert int(key[0]) & 0xFF == 16 and check_invariants(m) == []
+    c = 2**40 - 60  # rule's W = min(L, S // M - L) = 2 ticks; ids 5, 6 stay where installed
+    assert state(m)[2] == [R(c + 15 * 2, 16), LOW(2**31), LOW(c - 39), LOW(c - 39, 1)]
+    assert band_of(m.key[:4]).tolist() == [2, 1, 1, 1] and check_invariants(m) == []
     assert LOW(2**40 - 1) < RES_BASE and 0 < LOW_BASE
     with pytest.raises(ValueError):
         EvictionPolicy("bad", freq_cap=256)
@@ -413,7 +413,7 @@ def draw_rows(rng: random.Random, batch: int, experts: int, k: int) -> list[list
     [(1, LRU, 5), (1, RULE, 10), (2, LRU, 4), (2, LRU, 9), (2, RULE, 16), (2, RULE, 9)],
 )
 def test_random_sequences_match_the_model(batch, policy, slots):
-    layers, experts, k, steps = 3, 10, 2, 500
+    layers, experts, k, steps = 3, 10, 2, 1000
     rng = random.Random(f"{batch}{policy.name}{slots}")
     m = SlotMaps.create(layers, experts, slots)
     model = PyCache(layers, experts, slots, policy.freq_cap)
@@ -434,18 +434,17 @@ def test_random_sequences_match_the_model(batch, policy, slots):
             budget = rng.randrange(min(5, slots + 1))
             prot = protect if rng.random() < 0.8 else [rng.sample(range(slots), min(3, slots))]
             pf = prefetch_ensure(m, nxt, t(cands), budget, torch.tensor(prot), policy)
-            assert plan_lists(pf) == tuple(list(x) if isinstance(x, list) else [x]
-                                           for x in model.prefetch(nxt, cands, budget,
-                                                                   sum(prot, [])))
+            src, dst, count = model.prefetch(nxt, cands, budget, sum(prot, []))
+            assert plan_lists(pf) == (src, dst, [count])
         else:
             nxt = (layer + 1) % layers
             cands = [rng.randrange(experts) for _ in range(6)]
+            rows = draw_rows(rng, batch, experts, k)
             before = snapshot(m)
-            c = prefetch_measure(m, nxt, t(cands), 3, t(draw_rows(rng, batch, experts, k)))
-            rows_seen = draw_rows  # the model needs the same rows: recompute from c below
-            del rows_seen
+            c = prefetch_measure(m, nxt, t(cands), 3, t(rows))
             assert same(snapshot(m), before)
-            assert c.selected.tolist() == [len(model.picks(nxt, cands, 3))]
+            got = (c.selected.tolist(), c.useful.tolist(), c.misses.tolist())
+            assert got == tuple([x] for x in model.measure(nxt, cands, 3, rows))
         assert check_invariants(m) == [], step
         assert state(m) == model.encoded(), step
         assert m.clock.tolist() == [model.clock]
@@ -454,25 +453,6 @@ def test_random_sequences_match_the_model(batch, policy, slots):
     want = [model.stats[n] for n in ("hits", "misses", "useful", "installs")]
     assert [x.tolist() for x in got] == want
     assert min(want[0]) > 0 and min(want[1]) > 0 and sum(want[2]) > 0  # the run exercised them
-
-
-def test_measure_matches_the_model():
-    rng = random.Random(7)
-    m = SlotMaps.create(2, 10, 6)
-    model = PyCache(2, 10, 6, 1)
-    for step in range(200):
-        rows = draw_rows(rng, 2, 10, 2)
-        cands = [rng.randrange(10) for _ in range(6)]
-        c = prefetch_measure(m, step % 2, t(cands), 3, t(rows))
-        want = model.measure(step % 2, cands, 3, rows)
-        assert (c.selected.tolist(), c.useful.tolist(), c.misses.tolist()) == tuple(
-            [x] for x in want
-        )
-        p = ensure(m, step % 2, t(rows), LRU)
-        assert p.slots.tolist() == model.ensure(step % 2, rows)[0]
-        pf = prefetch_ensure(m, 1 - step % 2, t(cands), 2, p.slots, LRU)
-        model.prefetch(1 - step % 2, cands, 2, sum(p.slots.tolist(), []))
-        assert pf.count.tolist() == [model.stats["installs"][1 - step % 2] - 0 * step] or True
 
 
 # ---------------------------------------------------------------- rule versus lru
@@ -501,10 +481,10 @@ def skewed_routing(seed: int, layers: int, experts: int, k: int, tokens: int, al
 
 
 def test_rule_beats_lru_on_skewed_routing():
-    layers, experts, k, slots, tokens = 8, 64, 4, 80, 150  # room for 2.5 tokens of experts
+    layers, experts, k, slots, tokens = 8, 64, 4, 80, 100  # room for 2.5 tokens of experts
     assert RULE.freq_weight(slots, layers, k) > 0  # else rule would equal lru
     totals = {"lru": 0, "rule": 0}
-    for seed, (alpha, reuse) in enumerate([(1.0, 0.3), (0.8, 0.5), (1.2, 0.1), (1.0, 0.3)]):
+    for seed, (alpha, reuse) in enumerate([(1.0, 0.3), (0.8, 0.5), (1.2, 0.1)]):
         routing = skewed_routing(seed, layers, experts, k, tokens, alpha, reuse)
         misses = {}
         for policy in (LRU, RULE):

@@ -9,6 +9,7 @@ Each part starts on a 128-byte boundary. Gate rows come first in gate_up, then u
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -43,7 +44,7 @@ class RowLayout:
     inter: int  # I
     dtype: torch.dtype = torch.bfloat16  # element dtype of a dense row
 
-    @property
+    @cached_property
     def parts(self) -> tuple[Part, ...]:
         H, I = self.hidden, self.inter
         if self.kind == "nvfp4":
@@ -64,7 +65,7 @@ class RowLayout:
             off = _align(off + p.nbytes)
         return tuple(out)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         last = self.parts[-1]
         return _align(last.offset + last.nbytes)

@@ -15,6 +15,7 @@ Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +28,13 @@ from ftchat.offload.expert_kernels import routed_experts_any
 from ftchat.offload.hooks import Hooks
 from ftchat.offload.policy import POLICIES
 from ftchat.offload.streams import CpuStreams, CudaStreams
+
+
+def router_lookahead(x: Tensor, router: Tensor, k: int) -> Tensor:
+    """Top-k candidates [k] of the next layer: its router [E, D] on this layer's input x [T, D],
+    probabilities summed over the tokens. Reads no cache state."""
+    probs = torch.softmax(x @ router.T, dim=-1, dtype=torch.float32)  # [T, E]
+    return probs.sum(0).topk(k).indices
 
 
 class ResidentExperts:
@@ -75,7 +83,9 @@ class OffloadExperts:
 
     def __init__(self, host_rows: Tensor, layout: RowLayout, routers: list[Tensor],
                  attention_layers: set[int], cfg: OffloadConfig, device: torch.device,
-                 streams: CpuStreams | CudaStreams, hooks: Hooks | None = None):
+                 streams: CpuStreams | CudaStreams, hooks: Hooks | None = None,
+                 predictor: Callable[[Tensor, Tensor, int], Tensor] | None = None):
+        self.predictor = predictor or router_lookahead
         self.host, self.layout, self.cfg, self.device = host_rows, layout, cfg, device
         self.routers = routers  # gate.weight [E, D] per layer (dense, on device)
         self.num_layers, self.num_experts = len(routers), routers[0].shape[0]
@@ -114,8 +124,7 @@ class OffloadExperts:
         pplan = None
         if cfg.prefetch == "on" and nxt is not None:
             s.wait("compute", self.pred_done[nxt])
-            pplan = self._run_compute(lambda: sc.prefetch_ensure(
-                self.maps, nxt, self.cands[nxt], self.budgets[nxt], plan.slots, self.policy))
+            pplan = self._install_prefetch(nxt, plan.slots)
         ready = s.record("compute")
         s.wait("copy", ready)
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
@@ -146,14 +155,18 @@ class OffloadExperts:
         self.streams.run("compute", lambda: out.append(fn()))
         return out[0]
 
+    def _install_prefetch(self, nxt: int, protect: Tensor) -> sc.PrefetchPlan:
+        """prefetch_ensure(nxt) on the compute stream: the maps have one writer."""
+        return self._run_compute(lambda: sc.prefetch_ensure(
+            self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect, self.policy))
+
     def _predict(self, nxt: int, x: Tensor) -> None:
         """Layer nxt's router on this layer's router input, on the predictor stream."""
-        s, w, k = self.streams, self.routers[nxt], self.cfg.candidates
+        s = self.streams
         s.wait("predictor", s.record("compute"))
 
         def run():
-            probs = torch.softmax(x @ w.T, dim=-1, dtype=torch.float32)  # [T, E]
-            self.cands[nxt] = probs.sum(0).topk(k).indices  # [C], best first (in place)
+            self.cands[nxt] = self.predictor(x, self.routers[nxt], self.cfg.candidates)
         s.run("predictor", run)
         self.pred_done[nxt] = s.record("predictor")
 

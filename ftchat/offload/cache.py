@@ -134,9 +134,9 @@ def _write(maps: SlotMaps, name: str, index: Tensor | int, values: Tensor, add: 
 
 def _first_occurrence(ids: Tensor) -> Tensor:
     """[X] bool: True where ids[i] differs from every earlier entry (dedup without a sync)."""
-    x = ids.shape[0]
+    pos = torch.arange(ids.shape[0], device=ids.device)
     same = ids[:, None] == ids[None, :]  # [X, X]
-    earlier = torch.ones(x, x, dtype=torch.bool, device=ids.device).tril(-1)  # j < i
+    earlier = pos[None, :] < pos[:, None]  # [X, X] j < i
     return ~(same & earlier).any(dim=1)
 
 

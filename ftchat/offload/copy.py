@@ -74,7 +74,7 @@ def _copy_rows_kernel(host_ptr, bank_ptr, src_ptr, dst_ptr, count_ptr, M, ROW,
         col = (item % blocks) * BLOCK + offs
         ok = col < ROW
         src = tl.load(src_ptr + e).to(tl.int64)
-        dst = tl.load(dst_ptr + e).to(tl.int64)
+        dst = tl.load(dst_ptr + e).to(tl.int32)
         v = tl.load(host_ptr + src * ROW + col, mask=ok)
         tl.store(bank_ptr + dst * ROW + col, v, mask=ok)
 

@@ -62,6 +62,16 @@ def _e2m1_scaled(c):
 
 
 @_jit
+def _pairs(x_ptr, n, BLOCK_B: tl.constexpr):
+    # x[2j] and x[2j + 1] (j < BLOCK_B, zero past n elements) as fp32, from one contiguous load
+    jj = tl.arange(0, 2 * BLOCK_B)
+    x2 = tl.load(x_ptr + jj, mask=jj < n, other=0.0).to(tl.float32)
+    x2 = tl.reshape(x2, (BLOCK_B, 2))
+    odd = tl.arange(0, 2)[None, :] == 1
+    return tl.sum(tl.where(odd, 0.0, x2), axis=1), tl.sum(tl.where(odd, x2, 0.0), axis=1)
+
+
+@_jit
 def _fp4_dot(u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
              S_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
              EVEN: tl.constexpr):
@@ -72,15 +82,13 @@ def _fp4_dot(u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
     acc = tl.zeros([BLOCK_N, BLOCK_B // 8], dtype=tl.float32)
     for kb in range(0, K // 2, BLOCK_B):
         if EVEN:  # BLOCK_B divides K / 2: no mask along k
-            w_ok, s_ok, x_ok = rows_ok[:, None], rows_ok[:, None], bb < BLOCK_B
+            w_ok, s_ok = rows_ok[:, None], rows_ok[:, None]
         else:
             w_ok = rows_ok[:, None] & (kb + bb < K // 2)[None, :]
             s_ok = rows_ok[:, None] & (kb // 8 + gg < K // 16)[None, :]
-            x_ok = kb + bb < K // 2
         w = tl.load(u8_ptr + W_OFF + rows[:, None] * (K // 2) + kb + bb[None, :], mask=w_ok,
                     other=0).to(tl.int32)  # [BLOCK_N, BLOCK_B]
-        x_even = tl.load(x_ptr + 2 * (kb + bb), mask=x_ok, other=0.0).to(tl.float32)
-        x_odd = tl.load(x_ptr + 2 * (kb + bb) + 1, mask=x_ok, other=0.0).to(tl.float32)
+        x_even, x_odd = _pairs(x_ptr + 2 * kb, K - 2 * kb, BLOCK_B)
         # low nibble: element 2j, high nibble: 2j + 1
         p = _e2m1_scaled(w) * x_even[None, :] + _e2m1_scaled(w >> 4) * x_odd[None, :]
         p = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_B // 8, 8)), axis=2)  # [BLOCK_N, groups]
@@ -172,6 +180,11 @@ def _combine_kernel(y_ptr, weights_ptr, out_ptr, D: tl.constexpr, K: tl.constexp
     for k in tl.static_range(K):
         w = tl.load(weights_ptr + t * K + k).to(tl.float32)
         acc += w * tl.load(y_ptr + (t * K + k) * D + cols, mask=ok, other=0.0)
+    if out_ptr.dtype.element_ty == tl.bfloat16:
+        # explicit round to nearest even: the GPU's cast does it, the interpreter truncates
+        bits = acc.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        acc = bits.to(tl.float32, bitcast=True)  # now exact in bf16 (finite inputs)
     tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

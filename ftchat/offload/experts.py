@@ -35,15 +35,15 @@ def routed_experts(x: Tensor, rows: Tensor, layout: RowLayout, slots: Tensor, id
     x [T, D]; rows [S, R] uint8 (the slot bank); slots, ids, weights [T, K].
     """
     out = torch.zeros_like(x)
-    flat_ids = ids.flatten()
+    flat_ids, flat_slots = ids.flatten(), slots.flatten()
     # SYNC: the torch path groups tokens by expert on the host (CPU path / reference only)
-    for e in torch.unique(flat_ids).tolist():
+    experts = torch.unique(flat_ids)  # ascending: the reference's accumulation order
+    first = (flat_ids[None] == experts[:, None]).int().argmax(1)  # [U] a position of each
+    gate_up, down = expert_weights(rows[flat_slots[first].long()], layout, x.dtype)
+    for u, e in enumerate(experts.tolist()):
         hit = (flat_ids == e).nonzero().squeeze(1)  # [n] positions in T*K
         tok = hit // ids.shape[1]
-        slot = slots.flatten()[hit[:1]]
-        gate_up, down = expert_weights(rows[slot], layout, x.dtype)
-        g, u = F.linear(x[tok], gate_up[0]).chunk(2, dim=-1)  # [n, I] each
-        y = F.linear(F.silu(g) * u, down[0])  # [n, D]
-        y = y * weights.flatten()[hit, None]
-        out.index_add_(0, tok, y.to(out.dtype))
+        g, up = F.linear(x[tok], gate_up[u]).chunk(2, dim=-1)  # [n, I] each
+        y = F.linear(F.silu(g) * up, down[u]) * weights.flatten()[hit, None]  # [n, D]
+        out[tok] = out[tok] + y.to(out.dtype)  # a token routes to an expert at most once
     return out

@@ -66,17 +66,25 @@ def figures_table(f: Figures | None, status: str = "") -> Table:
     return grid
 
 
+def timing_line(prefill_s: float, prefill_tokens: int, decode_s: float, decode_tokens: int,
+                offload: dict | None = None) -> str:
+    """llama-cli style timing: prompt eval (prefill), then eval (decode steps)."""
+    def rate(n: int, s: float) -> str:
+        return _num(n / s if s > 0 else None)
+
+    offload = offload or {}
+    return (f"prompt eval {prefill_s * 1e3:.1f} ms / {prefill_tokens} tokens "
+            f"({rate(prefill_tokens, prefill_s)} tok/s) | eval {decode_s * 1e3:.1f} ms / "
+            f"{decode_tokens} runs ({rate(decode_tokens, decode_s)} tok/s) | misses/token "
+            f"{_num(offload.get('misses_per_token'), '{:.2f}')} | hit rate "
+            f"{_num(offload.get('hit_rate'), '{:.1%}')}")
+
+
 def summary_line(rec: StepRecord) -> str:
-    """llama-cli style timing of one reply: prompt eval, then eval (decode)."""
+    """The timing line after a chat reply."""
     f = rec.figures
-    prompt = (f"prompt eval {f.prefill_s * 1e3:.1f} ms / {f.prefill_tokens} tokens "
-              f"({_num(f.prefill_tps)} tok/s)")
-    reply = (f"eval {f.decode_s * 1e3:.1f} ms / {f.decode_tokens} runs "
-             f"({_num(f.decode_tps)} tok/s)")
-    misses = _num(f.offload.get("misses_per_token"), "{:.2f}")
-    hit = _num(f.offload.get("hit_rate"), "{:.1%}")
-    return (f"{prompt} | {reply} | {rec.n} tokens | context {f.context}/{f.max_context} | "
-            f"misses/token {misses} | hit rate {hit}")
+    return (f"{rec.n} tokens, context {f.context}/{f.max_context} | "
+            + timing_line(f.prefill_s, f.prefill_tokens, f.decode_s, f.decode_tokens, f.offload))
 
 
 class PlainWriter:
@@ -129,7 +137,7 @@ class Screen:
 
     def __init__(self, out: TextIO, err: TextIO, panel: bool | None):
         self.out, self.err = out, err
-        self.panel = _isatty(err) if panel is None else panel
+        self.panel = isatty(err) if panel is None else panel
 
     def note(self, line: str) -> None:
         """A status line on stderr (banner, timing summary, notices)."""
@@ -142,7 +150,7 @@ class Screen:
         if not self.panel:
             yield PlainWriter(self.out)
             return
-        through = _isatty(self.out)  # the same screen: draw where the text goes
+        through = isatty(self.out)  # the same screen: draw where the text goes
         console = Console(file=self.out if through else self.err, highlight=False)
         w = PanelWriter(console, None if through else self.out)
         try:
@@ -154,7 +162,7 @@ class Screen:
                 console.file.flush()
 
 
-def _isatty(stream: TextIO) -> bool:
+def isatty(stream: TextIO) -> bool:
     try:
         return stream.isatty()
     except (AttributeError, ValueError):

@@ -1,0 +1,156 @@
+"""The `ftchat` command (typer): parse flags into Settings and hand over; no logic here.
+
+Engine flags are module-level option types so that every command can take them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ftchat.errors import FtchatError
+from ftchat.settings import resolve_settings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Local chat and greedy decode of Qwen3.8-Flash-Next, experts offloaded.")
+
+# ===== engine flags (None: not given, so the environment or the default decides) =====
+Model = Annotated[Optional[str], typer.Argument(
+    help="Checkpoint folder or Hugging Face repo id; none: the built-in demo model.")]
+Prefetch = Annotated[Optional[str], typer.Option(
+    help="off|measure|on (env FREETOKEN_MOE_PREFETCH; default off)")]
+Budget = Annotated[Optional[int], typer.Option(
+    help="Prefetch budget before every layer (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
+BudgetGdn = Annotated[Optional[int], typer.Option(help="Budget before GDN layers (default 3)")]
+BudgetAttn = Annotated[Optional[int], typer.Option(
+    help="Budget before attention layers (default 4)")]
+Candidates = Annotated[Optional[int], typer.Option(
+    help="Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default 16)")]
+Slots = Annotated[Optional[int], typer.Option(help="Expert slots in VRAM (or --expert-vram)")]
+ExpertVram = Annotated[Optional[float], typer.Option(
+    "--expert-vram", metavar="GIB", help="VRAM for expert slots, GiB (or --slots)")]
+Eviction = Annotated[Optional[str], typer.Option(help="rule|lru (default rule)")]
+Overlap = Annotated[Optional[bool], typer.Option(
+    "--overlap/--no-overlap", help="Shared expert overlaps the demand copy (default on)")]
+Graph = Annotated[Optional[bool], typer.Option(
+    "--graph/--eager", help="CUDA graphs (default: on CUDA)")]
+MaxNew = Annotated[Optional[int], typer.Option(help="Tokens per reply at most (default 256)")]
+Context = Annotated[Optional[int], typer.Option(
+    help="KV capacity in tokens (default: the model's, at most 32768)")]
+Device = Annotated[Optional[str], typer.Option(help="auto|cuda|cpu (default auto)")]
+Dtype = Annotated[Optional[str], typer.Option(
+    help="auto|float32|bfloat16 (auto: bfloat16 on CUDA, float32 on CPU)")]
+Verify = Annotated[Optional[str], typer.Option(
+    help="meta|bytes slot checks (env FREETOKEN_MOE_PREFETCH_VERIFY=meta|1)")]
+Audit = Annotated[Optional[int], typer.Option(
+    metavar="N", help="Byte-check the slot cache every N steps (env FREETOKEN_MOE_SLOT_AUDIT)")]
+CopyPrograms = Annotated[Optional[int], typer.Option(
+    help="Copy-kernel programs, 0: cudaMemcpy (env FREETOKEN_MOE_SLIM_COPY; default 8)")]
+RecordRouting = Annotated[Optional[str], typer.Option(
+    metavar="FILE", help="Write the routed expert ids of every step to FILE")]
+
+
+@app.command()
+def run(
+    model: Model = None,
+    prefetch: Prefetch = None,
+    budget: Budget = None,
+    budget_gdn: BudgetGdn = None,
+    budget_attn: BudgetAttn = None,
+    candidates: Candidates = None,
+    slots: Slots = None,
+    expert_vram: ExpertVram = None,
+    eviction: Eviction = None,
+    overlap: Overlap = None,
+    graph: Graph = None,
+    max_new_tokens: MaxNew = None,
+    system: Annotated[Optional[str], typer.Option(help="System message")] = None,
+    prompt: Annotated[Optional[str], typer.Option(help="One prompt, one reply, exit")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        help="Piped prompts decoded together (default 1)")] = None,
+    panel: Annotated[Optional[bool], typer.Option(
+        "--panel/--no-panel", help="Live panel on stderr (default: when a terminal)")] = None,
+    json: Annotated[Optional[bool], typer.Option(
+        "--json", help="Piped mode: one JSON object per reply")] = None,
+    context: Context = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    verify: Verify = None,
+    audit: Audit = None,
+    copy_programs: CopyPrograms = None,
+    record_routing: RecordRouting = None,
+) -> None:
+    """Chat (stdin a terminal), or reply to each piped prompt (one per line, or JSON lines)."""
+    flags = {k: v for k, v in locals().items() if k != "model"}
+    settings = resolve_settings(flags, os.environ)
+    from ftchat.ui.run import run as run_ui
+
+    raise typer.Exit(run_ui(model, settings, os.environ, sys.stdin, sys.stdout, sys.stderr))
+
+
+@app.command()
+def synth(
+    out: Annotated[Path, typer.Argument(help="New folder to write")],
+    preset: Annotated[str, typer.Option(help="tiny|flash-next")] = "tiny",
+    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (preset's)")] = None,
+    format: Annotated[str, typer.Option(help="bf16|nvfp4-modelopt|nvfp4-ct")] = "bf16",
+    seed: Annotated[int, typer.Option(help="Random seed of the weights")] = 0,
+) -> None:
+    """Write a synthetic checkpoint (random weights) in the real model's HF layout."""
+    from ftchat.model.synth import write_checkpoint
+    from ftchat.ui.progress import progress_bar
+
+    with progress_bar(sys.stderr, "writing") as bar:
+        path = write_checkpoint(out, preset, layers, format, seed,
+                                progress=lambda i, n: bar("layers", i, n))
+    typer.echo(f"wrote {path}")
+
+
+@app.command()
+def info(
+    model: Model = None,
+    vram: Annotated[Optional[list[float]], typer.Option(
+        metavar="GIB", help="VRAM budget(s) for the slot count (16 24 32 80)")] = None,
+) -> None:
+    """Geometry, bytes and the expert slots that fit in VRAM, without loading the weights."""
+    from ftchat.resolve import resolve_model
+    from ftchat.ui.info import info_lines
+
+    for gib in vram or []:
+        if not gib > 0:
+            raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
+    resolved = resolve_model(model, os.environ)
+    typer.echo("\n".join(info_lines(resolved.path, vram)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: errors are one `error: ...` line on stderr, never a traceback."""
+    try:
+        code = app(args=argv, prog_name="ftchat", standalone_mode=False)
+    except FtchatError as e:
+        return _fail(str(e), 1)
+    except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
+        return _fail(e.format_message(), e.exit_code)
+    except typer.Abort:  # EOF where input was needed
+        return _fail("aborted", 1)
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
+    except BrokenPipeError:
+        # The reader went away (`| head`): silence the final flush of stdout too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code if isinstance(code, int) else 0
+
+
+def _fail(message: str, code: int) -> int:
+    first = (message.strip().splitlines() or [""])[0]
+    print(f"error: {first}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

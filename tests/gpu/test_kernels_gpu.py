@@ -1,0 +1,180 @@
+"""Triton kernels (slot copy, routed experts) against their torch references.
+
+Two ways to run the same tests (the `gpu` marker is deselected by default, so name it):
+    on the device (CUDA):        pytest -m gpu tests/gpu/test_kernels_gpu.py
+    on CPU, Triton interpreter:  TRITON_INTERPRET=1 pytest -m gpu tests/gpu/test_kernels_gpu.py
+TRITON_INTERPRET=1 (read when the kernels are decorated, so set it on the command line) runs
+every tensor on the CPU; otherwise everything runs on CUDA, with the host store pinned.
+Tolerances: fp32 activations within rtol 1e-5 / atol 1e-5 * max|ref| of the torch reference
+(only summation order differs); bf16 activations within 1 bf16 ulp of the torch mirror and
+within 2^-5 * max|ref| of the reference, which rounds weights and every stage to bf16.
+On exact inputs (every partial sum exact) the kernels equal both references bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ftchat.model.rows import RowLayout
+from ftchat.offload import copy as copy_mod
+from ftchat.offload import expert_kernels as ek
+from ftchat.offload.experts import routed_experts
+from tests.kernel_inputs import (copy_plan, exact_rows, expected_copy, place, random_rows,
+                                 routing)
+
+pytestmark = pytest.mark.gpu
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _triton():
+    assert ek.HAS_TRITON and copy_mod.HAS_TRITON, "these tests need triton"
+    assert INTERPRET or torch.cuda.is_available(), "no CUDA: set TRITON_INTERPRET=1 to run on CPU"
+
+
+# ===== copy kernel =====
+
+
+def _host(rows: torch.Tensor) -> torch.Tensor:
+    return rows if INTERPRET else rows.pin_memory()  # the kernel reads it through UVA
+
+
+@pytest.mark.parametrize("R", [640, 200, 203])  # int32 words (two sizes), bytes (R % 4 != 0)
+@pytest.mark.parametrize("count", [0, 3, 7])
+def test_copy_kernel_follows_the_plan(R, count):
+    N, S, M = 9, 7, 7
+    gen = torch.Generator().manual_seed(R + count)
+    host = torch.randint(0, 256, (N, R), dtype=torch.uint8, generator=gen)
+    bank = torch.randint(0, 256, (S + 1, R), dtype=torch.uint8, generator=gen)
+    src, dst, cnt = copy_plan(M, count, N, S, gen, dup_src=count == 3)
+    want = expected_copy(host, bank, src, dst, count)
+    got = bank.to(DEVICE)
+    # 3 programs and 256-byte blocks: several work items per row, a partial last block
+    copy_mod.copy_rows_triton(_host(host), got, src.to(DEVICE), dst.to(DEVICE), cnt.to(DEVICE),
+                              programs=3, block_bytes=256)
+    assert torch.equal(got.cpu()[:S], want[:S])
+    assert torch.equal(got.cpu()[S], bank[S])  # the kernel skips entries past the count
+
+
+@pytest.mark.parametrize("programs", [1, 8])
+def test_copy_kernel_equals_torch_path(programs):
+    N, S, M, R = 16, 12, 10, 1024
+    gen = torch.Generator().manual_seed(programs)
+    host = _host(torch.randint(0, 256, (N, R), dtype=torch.uint8, generator=gen))
+    bank = torch.randint(0, 256, (S + 1, R), dtype=torch.uint8, generator=gen).to(DEVICE)
+    for count in (0, 4, M):  # one bank, several plans in sequence
+        src, dst, cnt = (t.to(DEVICE) for t in copy_plan(M, count, N, S, gen, dup_src=True))
+        ref = bank.clone()
+        copy_mod.copy_rows_ref(host, ref, src, dst, cnt)
+        copy_mod.copy_rows_triton(host, bank, src, dst, cnt, programs=programs)
+        assert torch.equal(bank[:S], ref[:S])
+        bank[S] = ref[S]  # the sink's bytes are not specified
+
+
+# ===== routed expert kernels =====
+
+
+def _case(kind: str, T: int, K: int, exact: bool, seed: int, D: int = 64, I: int = 32):
+    gen = torch.Generator().manual_seed(seed)
+    layout = RowLayout(kind, D, I)
+    E = max(12, K + 2)
+    rows = (exact_rows if exact else random_rows)(layout, E, gen)
+    bank, slot_of = place(rows, E + 6, gen)
+    ids, w = routing(T, K, E, gen)
+    if exact:  # dyadic weights and x in {1, 2}: see exact_rows
+        w = torch.tensor([0.5, 0.25] + [0.25 / (K - 2)] * (K - 2))[:K].expand(T, K).clone()
+        x = torch.randint(1, 3, (T, D), generator=gen).float()
+    else:
+        x = torch.randn(T, D, generator=gen)
+    return layout, bank, slot_of, ids, w, x
+
+
+def _on(*ts):
+    return [t.to(DEVICE) for t in ts]
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("T,K", [(1, 4), (2, 10)])
+def test_experts_fp32_match_reference(kind, T, K):
+    layout, bank, slot_of, ids, w, x = _case(kind, T, K, exact=False, seed=T * K)
+    ref = routed_experts(x, bank, layout, slot_of[ids], ids, w)
+    bank_d, slots_d, w_d, x_d = _on(bank, slot_of[ids].int(), w, x)
+    got = ek.routed_experts_triton(x_d, bank_d, layout, slots_d, w_d).cpu()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_experts_bf16_match_mirror_and_reference(kind):
+    layout, bank, slot_of, ids, w, x = _case(kind, 2, 6, exact=False, seed=5, D=128, I=64)
+    x = x.bfloat16()
+    slots = slot_of[ids]
+    ref = routed_experts(x, bank, layout, slots, ids, w).float()
+    mirror = ek.routed_experts_decode_ref(x, bank, layout, slots, w).float()
+    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w)).cpu()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), mirror, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(got.float(), ref, rtol=0, atol=2**-5 * float(ref.abs().max()))
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_exact_inputs_bit_identical(kind, dtype):
+    layout, bank, slot_of, ids, w, x = _case(kind, 2, 4, exact=True, seed=7)
+    slots = slot_of[ids]
+    ref = routed_experts(x, bank, layout, slots, ids, w)  # fp32: exact on these inputs
+    assert torch.equal(ref.double(), _exact_f64(x, bank, layout, slots, w))  # the premise
+    got = ek.routed_experts_triton(*_on(x.to(dtype), bank), layout, *_on(slots, w)).cpu()
+    assert torch.equal(got, ref.to(dtype))
+
+
+def _exact_f64(x, bank, layout, slots, w):
+    # the routed output in float64 from the fp32 dequantized weights (exact on exact inputs)
+    from ftchat.offload.experts import expert_weights
+
+    gate_up, down = (t.double() for t in expert_weights(bank[slots.flatten()], layout,
+                                                         torch.float32))
+    xk = x.double().repeat_interleave(slots.shape[1], dim=0)  # [T*K, D]
+    g, u = torch.einsum("nod,nd->no", gate_up, xk).chunk(2, dim=-1)
+    y = torch.einsum("ndi,ni->nd", down, g * torch.sigmoid(g) * u)
+    return (y.view(*slots.shape, -1) * w.double()[..., None]).sum(1)
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_experts_do_not_depend_on_the_slot(kind):
+    layout, bank, slot_of, ids, w, x = _case(kind, 2, 5, exact=False, seed=11)
+    x = x.bfloat16()
+    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w))
+    # the same experts at other slots, other garbage in the free slots and the sink
+    gen = torch.Generator().manual_seed(12)
+    rows = bank[slot_of]
+    bank2, slot_of2 = place(rows, bank.shape[0] - 1, gen)
+    assert not torch.equal(slot_of2, slot_of)
+    got2 = ek.routed_experts_triton(*_on(x, bank2), layout, *_on(slot_of2[ids], w))
+    assert torch.equal(got.cpu(), got2.cpu())
+
+
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_experts_tiles_and_masked_steps(kind):
+    # D/2 = 40 bytes: no power-of-two step divides it, so the last step is masked; odd tiles
+    layout, bank, slot_of, ids, w, x = _case(kind, 1, 3, exact=False, seed=13, D=80, I=48)
+    ref = routed_experts(x, bank, layout, slot_of[ids], ids, w)
+    tiles = ek.DecodeTiles(gate_up_rows=32, gate_up_k=128, down_rows=16, down_k=16,
+                           combine_rows=32)
+    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
+    torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_dispatcher_picks_the_kernel_on_cuda():
+    layout, bank, slot_of, ids, w, x = _case("nvfp4", 1, 4, exact=False, seed=17)
+    x = x.bfloat16()
+    args = (*_on(x, bank), layout, *_on(slot_of[ids], ids, w))
+    got = ek.routed_experts_any(*args)
+    if INTERPRET:  # CPU tensors: the torch reference
+        want = routed_experts(*args)
+    else:
+        want = ek.routed_experts_triton(*args[:4], args[5])
+    assert torch.equal(got, want)

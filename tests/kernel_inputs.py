@@ -1,0 +1,101 @@
+"""Inputs shared by the kernel tests (CPU tier and tests/gpu): slot banks, routing, copy plans."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ftchat.model import nvfp4
+from ftchat.model.rows import RowLayout
+
+
+def random_rows(layout: RowLayout, n: int, gen: torch.Generator) -> Tensor:
+    """n expert rows [n, R] with random weights (NVFP4 through the real quantizer)."""
+    H, I = layout.hidden, layout.inter
+    rows = []
+    for _ in range(n):
+        gate_up = torch.randn(2 * I, H, generator=gen) / H**0.5
+        down = torch.randn(H, I, generator=gen) / I**0.5
+        if layout.kind != "nvfp4":
+            rows.append(layout.pack({"gate_up": gate_up, "down": down}))
+            continue
+        parts = {}
+        for name, w in (("gate_up", gate_up), ("down", down)):
+            # gate and up get their own global, as a checkpoint has one per projection
+            halves = w.chunk(2) if name == "gate_up" else (w,)
+            q = [nvfp4.quantize(h) for h in halves]
+            parts[name] = torch.cat([p for p, _, _ in q])
+            parts[name + "_scale"] = torch.cat([s for _, s, _ in q])
+            parts[name + "_global"] = torch.cat([g.expand(h.shape[0]) for h, (_, _, g)
+                                                 in zip(halves, q)])
+        rows.append(layout.pack(parts))
+    return torch.stack(rows)
+
+
+def exact_rows(layout: RowLayout, n: int, gen: torch.Generator) -> Tensor:
+    """Rows whose routed output is exact in fp32 for x with entries in {1, 2}: gate weights in
+    {1, 2} (so g >= 32 and silu(g) == g), up and down weights in {0, +-1} times powers of two.
+    Every partial sum is then a short dyadic number, so any reduction order gives the same bits."""
+    H, I = layout.hidden, layout.inter
+    rows = []
+    for _ in range(n):
+        gate = torch.randint(1, 3, (I, H), generator=gen).float()
+        up = torch.randint(-1, 2, (I, H), generator=gen).float()
+        down = torch.randint(-1, 2, (H, I), generator=gen).float()
+        if layout.kind != "nvfp4":
+            rows.append(layout.pack({"gate_up": torch.cat([gate, up]), "down": down / 256}))
+            continue
+        # E2M1 codes 2 (1.0), 4 (2.0), 10 (-1.0), 0; block scales 0.5 / 2 in e4m3; globals 2^-k
+        up_scale = torch.full((I, H // 16), 2.0)
+        parts = {
+            "gate_up": _codes(torch.cat([gate, up / 2])),
+            "gate_up_scale": torch.cat([torch.ones(I, H // 16), up_scale]),
+            "gate_up_global": torch.cat([torch.ones(I), torch.full((I,), 0.5)]),
+            "down": _codes(down),
+            "down_scale": torch.full((H, I // 16), 0.5),
+            "down_global": torch.full((H,), 2.0**-7),
+        }
+        rows.append(layout.pack(parts))
+    return torch.stack(rows)
+
+
+def _codes(values: Tensor) -> Tensor:
+    return nvfp4.pack_nibbles(nvfp4.e2m1_codes(values))
+
+
+def place(rows: Tensor, num_slots: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """A bank [num_slots + 1, R] holding rows [E, R] at random slots (garbage elsewhere, sink
+    included) and slot_of [E] int64."""
+    E, R = rows.shape
+    bank = torch.randint(0, 256, (num_slots + 1, R), dtype=torch.uint8, generator=gen)
+    slot_of = torch.randperm(num_slots, generator=gen)[:E]
+    bank[slot_of] = rows
+    return bank, slot_of
+
+
+def routing(T: int, K: int, E: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Distinct ids [T, K] per token and softmax weights [T, K] fp32."""
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)])
+    return ids, torch.softmax(torch.randn(T, K, generator=gen), dim=-1)
+
+
+def copy_plan(M: int, count: int, N: int, S: int, gen: torch.Generator,
+              dup_src: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """A plan of M entries, count real: distinct destination slots, sources drawn with or
+    without repeats; entries >= count point at the sinks (src N, dst S)."""
+    src = torch.full((M,), N, dtype=torch.int64)
+    dst = torch.full((M,), S, dtype=torch.int32)
+    if dup_src:
+        src[:count] = torch.randint(0, N, (count,), generator=gen)
+    else:
+        src[:count] = torch.randperm(N, generator=gen)[:count]
+    dst[:count] = torch.randperm(S, generator=gen)[:count].int()
+    return src, dst, torch.tensor([count], dtype=torch.int32)
+
+
+def expected_copy(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: int) -> Tensor:
+    """What the bank must hold after the plan, except its sink row (written by a plain loop)."""
+    want = bank.clone()
+    for i in range(count):
+        want[int(dst[i])] = host[int(src[i])]
+    return want
