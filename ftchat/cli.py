@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -19,38 +19,38 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="Local chat and greedy decode of Qwen3.8-Flash-Next, experts offloaded.")
 
 # ===== engine flags (None: not given, so the environment or the default decides) =====
-Model = Annotated[Optional[str], typer.Argument(
+Model = Annotated[str | None, typer.Argument(
     help="Checkpoint folder or Hugging Face repo id; none: the built-in demo model.")]
-Prefetch = Annotated[Optional[str], typer.Option(
+Prefetch = Annotated[str | None, typer.Option(
     help="off|measure|on (env FREETOKEN_MOE_PREFETCH; default off)")]
-Budget = Annotated[Optional[int], typer.Option(
+Budget = Annotated[int | None, typer.Option(
     help="Prefetch budget before every layer (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
-BudgetGdn = Annotated[Optional[int], typer.Option(help="Budget before GDN layers (default 3)")]
-BudgetAttn = Annotated[Optional[int], typer.Option(
+BudgetGdn = Annotated[int | None, typer.Option(help="Budget before GDN layers (default 3)")]
+BudgetAttn = Annotated[int | None, typer.Option(
     help="Budget before attention layers (default 4)")]
-Candidates = Annotated[Optional[int], typer.Option(
+Candidates = Annotated[int | None, typer.Option(
     help="Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default 16)")]
-Slots = Annotated[Optional[int], typer.Option(help="Expert slots in VRAM (or --expert-vram)")]
-ExpertVram = Annotated[Optional[float], typer.Option(
+Slots = Annotated[int | None, typer.Option(help="Expert slots in VRAM (or --expert-vram)")]
+ExpertVram = Annotated[float | None, typer.Option(
     "--expert-vram", metavar="GIB", help="VRAM for expert slots, GiB (or --slots)")]
-Eviction = Annotated[Optional[str], typer.Option(help="rule|lru (default rule)")]
-Overlap = Annotated[Optional[bool], typer.Option(
+Eviction = Annotated[str | None, typer.Option(help="rule|lru (default rule)")]
+Overlap = Annotated[bool | None, typer.Option(
     "--overlap/--no-overlap", help="Shared expert overlaps the demand copy (default on)")]
-Graph = Annotated[Optional[bool], typer.Option(
+Graph = Annotated[bool | None, typer.Option(
     "--graph/--eager", help="CUDA graphs (default: on CUDA)")]
-MaxNew = Annotated[Optional[int], typer.Option(help="Tokens per reply at most (default 256)")]
-Context = Annotated[Optional[int], typer.Option(
+MaxNew = Annotated[int | None, typer.Option(help="Tokens per reply at most (default 256)")]
+Context = Annotated[int | None, typer.Option(
     help="KV capacity in tokens (default: the model's, at most 32768)")]
-Device = Annotated[Optional[str], typer.Option(help="auto|cuda|cpu (default auto)")]
-Dtype = Annotated[Optional[str], typer.Option(
+Device = Annotated[str | None, typer.Option(help="auto|cuda|cpu (default auto)")]
+Dtype = Annotated[str | None, typer.Option(
     help="auto|float32|bfloat16 (auto: bfloat16 on CUDA, float32 on CPU)")]
-Verify = Annotated[Optional[str], typer.Option(
+Verify = Annotated[str | None, typer.Option(
     help="meta|bytes slot checks (env FREETOKEN_MOE_PREFETCH_VERIFY=meta|1)")]
-Audit = Annotated[Optional[int], typer.Option(
+Audit = Annotated[int | None, typer.Option(
     metavar="N", help="Byte-check the slot cache every N steps (env FREETOKEN_MOE_SLOT_AUDIT)")]
-CopyPrograms = Annotated[Optional[int], typer.Option(
+CopyPrograms = Annotated[int | None, typer.Option(
     help="Copy-kernel programs, 0: cudaMemcpy (env FREETOKEN_MOE_SLIM_COPY; default 8)")]
-RecordRouting = Annotated[Optional[str], typer.Option(
+RecordRouting = Annotated[str | None, typer.Option(
     metavar="FILE", help="Write the routed expert ids of every step to FILE")]
 
 
@@ -68,13 +68,13 @@ def run(
     overlap: Overlap = None,
     graph: Graph = None,
     max_new_tokens: MaxNew = None,
-    system: Annotated[Optional[str], typer.Option(help="System message")] = None,
-    prompt: Annotated[Optional[str], typer.Option(help="One prompt, one reply, exit")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(
+    system: Annotated[str | None, typer.Option(help="System message")] = None,
+    prompt: Annotated[str | None, typer.Option(help="One prompt, one reply, exit")] = None,
+    batch_size: Annotated[int | None, typer.Option(
         help="Piped prompts decoded together (default 1)")] = None,
-    panel: Annotated[Optional[bool], typer.Option(
+    panel: Annotated[bool | None, typer.Option(
         "--panel/--no-panel", help="Live panel on stderr (default: when a terminal)")] = None,
-    json: Annotated[Optional[bool], typer.Option(
+    json: Annotated[bool | None, typer.Option(
         "--json", help="Piped mode: one JSON object per reply")] = None,
     context: Context = None,
     device: Device = None,
@@ -96,7 +96,7 @@ def run(
 def synth(
     out: Annotated[Path, typer.Argument(help="New folder to write")],
     preset: Annotated[str, typer.Option(help="tiny|flash-next")] = "tiny",
-    layers: Annotated[Optional[int], typer.Option(help="Decoder layers (preset's)")] = None,
+    layers: Annotated[int | None, typer.Option(help="Decoder layers (preset's)")] = None,
     format: Annotated[str, typer.Option(help="bf16|nvfp4-modelopt|nvfp4-ct")] = "bf16",
     seed: Annotated[int, typer.Option(help="Random seed of the weights")] = 0,
 ) -> None:
@@ -113,7 +113,7 @@ def synth(
 @app.command()
 def info(
     model: Model = None,
-    vram: Annotated[Optional[list[float]], typer.Option(
+    vram: Annotated[list[float] | None, typer.Option(
         metavar="GIB", help="VRAM budget(s) for the slot count (16 24 32 80)")] = None,
 ) -> None:
     """Geometry, bytes and the expert slots that fit in VRAM, without loading the weights."""

@@ -149,10 +149,12 @@ def generate(m: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
         last.append(prefill(m, state, b, torch.tensor(p), 0, experts)[-1])
     logits = torch.stack(last)
     lengths = [len(p) for p in prompts]
-    for _ in range(max_new_tokens):
+    for i in range(max_new_tokens):
         nxt = logits.argmax(-1)  # [B]
         # SYNC: the sampled tokens go to the host
         yield Step(tuple(nxt.tolist()), logits)
+        if i + 1 == max_new_tokens:
+            break
         logits = decode_step(m, state, nxt, lengths, experts)
         experts.end_step()
         lengths = [n + 1 for n in lengths]

@@ -58,7 +58,7 @@ def resolve_model(model: str | None, env: Mapping[str, str]) -> ResolvedModel:
 
     Args:
         model: a folder, or an HF repo id `owner/name` fetched with snapshot_download.
-        env: the process environment (HF_HUB_OFFLINE, XDG_CACHE_HOME).
+        env: the process environment (HF_HUB_OFFLINE, HF_HUB_CACHE, HF_HOME, XDG_CACHE_HOME).
     Raises:
         ModelError: missing folder, or a repo that is neither cached nor downloadable.
     """
@@ -71,14 +71,21 @@ def resolve_model(model: str | None, env: Mapping[str, str]) -> ResolvedModel:
         raise ModelError(f"{model}: not a folder (MODEL is a checkpoint folder or a repo id)")
     if not REPO_ID.match(model) or model.startswith((".", "/", "~")):
         raise ModelError(f"{model}: no such model folder")
-    return ResolvedModel(_snapshot(model, _offline(env)), model)
+    return ResolvedModel(_snapshot(model, _offline(env), _hub_cache(env)), model)
 
 
 def _offline(env: Mapping[str, str]) -> bool:
     return env.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _snapshot(repo: str, offline: bool) -> Path:
+def _hub_cache(env: Mapping[str, str]) -> str | None:
+    # Passed explicitly: huggingface_hub reads its variables once, when it is first imported.
+    if env.get("HF_HUB_CACHE"):
+        return env["HF_HUB_CACHE"]
+    return str(Path(env["HF_HOME"]) / "hub") if env.get("HF_HOME") else None
+
+
+def _snapshot(repo: str, offline: bool, cache: str | None) -> Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                         RepositoryNotFoundError, RevisionNotFoundError)
@@ -86,7 +93,7 @@ def _snapshot(repo: str, offline: bool) -> Path:
     how = f"run `hf download {repo}` on a machine with network, or pass a local folder"
     try:
         return Path(snapshot_download(repo, allow_patterns=ALLOW_PATTERNS,
-                                      local_files_only=offline))
+                                      local_files_only=offline, cache_dir=cache))
     except LocalEntryNotFoundError:
         where = "HF_HUB_OFFLINE is set" if offline else "the Hub is unreachable"
         raise ModelError(f"{repo}: not a local folder, and not in the Hugging Face cache "

@@ -98,7 +98,8 @@ class Session:
 
     def __init__(self, model: engine.LoadedModel, tokenizer: Tokenizer, settings: Settings,
                  experts: ExpertBackend):
-        self.model, self.tokenizer, self.settings, self.experts = model, tokenizer, settings, experts
+        self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self.experts = experts
         a = model.args
         self.max_len = settings.context or min(a.max_position_embeddings, DEFAULT_CONTEXT)
         self.im_end = tokenizer.special_ids[IM_END]
@@ -200,9 +201,10 @@ class Session:
             now = clock.now(sync=False)
             finishing = [_stop(t, n[b] + 1, limits[b], lengths[b], max_len, stops)
                          for b, t in enumerate(tokens)]
+            last = all(d or f for d, f in zip(done, finishing, strict=True))
             fig = Figures(sum(map(len, prompts)), sum(prefill_s), decode_tokens, now - t0,
                           sum(n) + done.count(False), max(lengths), max_len, *_vram(m.device),
-                          clock.offload(force=all(d or s for d, s in zip(done, finishing))))
+                          clock.offload(force=last))
             for b, tok in enumerate(tokens):
                 if done[b]:
                     continue
@@ -217,7 +219,7 @@ class Session:
             decode_tokens += done.count(False)
             # Finished rows still ride along (as in engine.generate) but never past the state.
             lengths = [ln + 1 if not d else min(ln + 1, max_len - 1)
-                       for ln, d in zip(lengths, done)]
+                       for ln, d in zip(lengths, done, strict=True)]
 
     # ===== chat =====
     @property
@@ -281,7 +283,7 @@ class Session:
             self.reset()  # interrupted inside a step: the state is half-written
             raise
         if tok is not None and not fed:
-            # The turn ends with <|im_end|> (a stop token is replaced by it); fed with the next turn.
+            # The turn ends with <|im_end|> (it replaces a stop token); fed with the next turn.
             self._pending = [self.im_end] if tok in stops else [tok, self.im_end]
 
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from ftchat.errors import FtchatError, SettingsError
+
+if TYPE_CHECKING:  # torch is imported on use: `ftchat --help` and flag errors stay instant
+    import torch
 
 ENV_PREFETCH = "FREETOKEN_MOE_PREFETCH"
 ENV_BUDGET = "FREETOKEN_MOE_PREFETCH_BUDGET"
@@ -52,6 +54,8 @@ class Settings:
 
     def torch_device(self) -> torch.device:
         """The resolved device: auto is cuda when available, else cpu."""
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -60,6 +64,8 @@ class Settings:
 
     def torch_dtype(self) -> torch.dtype:
         """The resolved dtype: auto is bfloat16 on CUDA, float32 on CPU."""
+        import torch
+
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]

@@ -87,7 +87,8 @@ def test_duplicates_at_bs2_share_one_slot_and_one_copy():
     p = ensure(m, 0, t([[3, 3], [3, 3]]), LRU)
     assert p.slots.tolist() == [[2, 2], [2, 2]] and p.count.tolist() == [0]
     p = ensure(m, 0, t([[4, 1], [1, 4]]), LRU)
-    assert p.slots.tolist() == [[3, 0], [0, 3]] and plan_lists(p) == ([4, 8, 8, 8], [3, 4, 4, 4], [1])
+    assert p.slots.tolist() == [[3, 0], [0, 3]]
+    assert plan_lists(p) == ([4, 8, 8, 8], [3, 4, 4, 4], [1])
     assert m.stats.hits.tolist() == [2] and m.stats.misses.tolist() == [4]
 
 
@@ -102,7 +103,8 @@ def test_slots_of_the_current_call_are_never_victims():
 
 
 def test_rule_keeps_a_frequent_expert_that_lru_evicts():
-    for policy, after_4, after_5 in ((LRU, [4, 1, 2, 3], [4, 5, 2, 3]), (RULE, [0, 4, 2, 3], [0, 4, 5, 3])):
+    cases = ((LRU, [4, 1, 2, 3], [4, 5, 2, 3]), (RULE, [0, 4, 2, 3], [0, 4, 5, 3]))
+    for policy, after_4, after_5 in cases:
         m = SlotMaps.create(1, 8, 4)  # rule: W = min(L, S // M - L) = min(1, 3) = 1 tick
         for e in (0, 0, 0, 1, 2, 3):
             ensure(m, 0, t([[e]]), policy)

@@ -114,7 +114,9 @@ class PrefetchCounts:
     misses: Tensor  # [1] int64 distinct demand misses of the routed ids
 
 
-def _write(maps: SlotMaps, name: str, index: Tensor | int, values: Tensor, add: bool = False) -> None:
+def _write(
+    maps: SlotMaps, name: str, index: Tensor | int, values: Tensor, add: bool = False
+) -> None:
     """The only writer of map and counter tensors: one in-place op, announced first.
 
     name: "slot_of", "id_of", "key", "clock" or "stats.<counter>". index: a tensor of positions
@@ -195,7 +197,7 @@ def ensure(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolicy) -> D
 
     # Victims: lowest keys among slots that no routed id of this call holds.
     used = torch.zeros(s + 1, dtype=torch.bool, device=gid.device)
-    used[torch.where(hit, slot, s)] = True  # scratch mask, not a map
+    used.index_fill_(0, torch.where(hit, slot, s), True)  # scratch mask, not a map
     victims, _ = _lowest_slots(maps, used, m)  # enough exist since S >= M
     miss = ~hit & first
     rank = torch.cumsum(miss, 0) - 1  # order of first occurrence
@@ -253,8 +255,8 @@ def prefetch_ensure(
     gid = candidates.reshape(-1).long() + layer * maps.num_experts  # [C]
     selected, rank, slot, resident = _select_candidates(maps, gid, budget)
     blocked = torch.zeros(s + 1, dtype=torch.bool, device=gid.device)
-    blocked[protect.reshape(-1).long()] = True  # scratch mask, not a map
-    blocked[torch.where(resident, slot, s)] = True  # keep resident candidates
+    blocked.index_fill_(0, protect.reshape(-1).long(), True)  # scratch mask, not a map
+    blocked.index_fill_(0, torch.where(resident, slot, s), True)  # keep resident candidates
     victims, ok = _lowest_slots(maps, blocked, budget)
     rank_b = torch.arange(budget, device=gid.device)
     real = (rank_b < selected.sum()) & ok  # ok is a prefix, so real is too

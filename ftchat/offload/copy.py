@@ -32,7 +32,8 @@ def _jit(fn):
 
 def _check(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor) -> None:
     assert host.dtype == bank.dtype == torch.uint8, (host.dtype, bank.dtype)
-    assert host.dim() == bank.dim() == 2 and host.shape[1] == bank.shape[1], (host.shape, bank.shape)
+    assert host.dim() == bank.dim() == 2, (host.shape, bank.shape)
+    assert host.shape[1] == bank.shape[1], (host.shape, bank.shape)
     assert host.is_contiguous() and bank.is_contiguous()
     assert src.dtype == torch.int64 and dst.dtype == torch.int32 and count.dtype == torch.int32
     assert src.shape == dst.shape and src.dim() == 1 and count.shape == (1,)
@@ -74,7 +75,7 @@ def _copy_rows_kernel(host_ptr, bank_ptr, src_ptr, dst_ptr, count_ptr, M, ROW,
         col = (item % blocks) * BLOCK + offs
         ok = col < ROW
         src = tl.load(src_ptr + e).to(tl.int64)
-        dst = tl.load(dst_ptr + e).to(tl.int32)
+        dst = tl.load(dst_ptr + e).to(tl.int64)
         v = tl.load(host_ptr + src * ROW + col, mask=ok)
         tl.store(bank_ptr + dst * ROW + col, v, mask=ok)
 

@@ -13,6 +13,7 @@ Legend: T tokens, D hidden, K top-k, I expert inner dim, S slots, R row bytes.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -54,48 +55,47 @@ class DecodeTiles:
 
 
 @_jit
-def _e2m1_scaled(c):
-    # low nibble of c -> E2M1 value * 2^-14, exact: the fp16 with sign at bit 15 and e1 e0 m at
-    # bits 11..9 (codes 0 and 1 land on fp16 subnormals, so no special case)
-    bits = ((c & 7) << 9) | ((c & 8) << 12)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+def _e2m1_pair(u):
+    # u: int32 with nibble codes in bits 0..3 and 16..19 -> (E2M1 values * 2^-14) of both, exact.
+    # Each half becomes the fp16 with sign at bit 15 and e1 e0 m at bits 11..9:
+    # ((c & 7) << 9) | ((c & 8) << 12) == (c + 7 * (c & 8)) << 9; codes 0, 1 land on subnormals
+    bits = (u + 7 * (u & 0x00080008)) << 9
+    lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
 @_jit
-def _pairs(x_ptr, n, BLOCK_B: tl.constexpr):
-    # x[2j] and x[2j + 1] (j < BLOCK_B, zero past n elements) as fp32, from one contiguous load
-    jj = tl.arange(0, 2 * BLOCK_B)
-    x2 = tl.load(x_ptr + jj, mask=jj < n, other=0.0).to(tl.float32)
-    x2 = tl.reshape(x2, (BLOCK_B, 2))
-    odd = tl.arange(0, 2)[None, :] == 1
-    return tl.sum(tl.where(odd, 0.0, x2), axis=1), tl.sum(tl.where(odd, x2, 0.0), axis=1)
-
-
-@_jit
-def _fp4_dot(u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
-             S_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_B: tl.constexpr,
+def _fp4_dot(w32_ptr, u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
+             S_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
              EVEN: tl.constexpr):
     # sum_k E2M1[w[row, k]] * scale[row, k // 16] * x[k] for rows [BLOCK_N]; no global yet.
-    # u8_ptr: the slot row's first byte; BLOCK_B packed bytes (2 * BLOCK_B elements) per step.
-    bb = tl.arange(0, BLOCK_B)
-    gg = tl.arange(0, BLOCK_B // 8)
-    acc = tl.zeros([BLOCK_N, BLOCK_B // 8], dtype=tl.float32)
-    for kb in range(0, K // 2, BLOCK_B):
-        if EVEN:  # BLOCK_B divides K / 2: no mask along k
-            w_ok, s_ok = rows_ok[:, None], rows_ok[:, None]
+    # w32_ptr / u8_ptr: the slot row as int32 words (8 codes each, code j of a word in bits
+    # 4j..4j+3, element 8w + j) and as bytes; BLOCK_W words (8 * BLOCK_W elements) per step.
+    ww = tl.arange(0, BLOCK_W)
+    gg = tl.arange(0, BLOCK_W // 2)
+    acc = tl.zeros([BLOCK_N, BLOCK_W // 2], dtype=tl.float32)
+    for kw in range(0, K // 8, BLOCK_W):
+        if EVEN:  # BLOCK_W divides K / 8: no mask along k
+            w_ok, s_ok, x_ok = rows_ok[:, None], rows_ok[:, None], ww < BLOCK_W
         else:
-            w_ok = rows_ok[:, None] & (kb + bb < K // 2)[None, :]
-            s_ok = rows_ok[:, None] & (kb // 8 + gg < K // 16)[None, :]
-        w = tl.load(u8_ptr + W_OFF + rows[:, None] * (K // 2) + kb + bb[None, :], mask=w_ok,
-                    other=0).to(tl.int32)  # [BLOCK_N, BLOCK_B]
-        x_even, x_odd = _pairs(x_ptr + 2 * kb, K - 2 * kb, BLOCK_B)
-        # low nibble: element 2j, high nibble: 2j + 1
-        p = _e2m1_scaled(w) * x_even[None, :] + _e2m1_scaled(w >> 4) * x_odd[None, :]
-        p = tl.sum(tl.reshape(p, (BLOCK_N, BLOCK_B // 8, 8)), axis=2)  # [BLOCK_N, groups]
-        s = tl.load(u8_ptr + S_OFF + rows[:, None] * (K // 16) + kb // 8 + gg[None, :],
+            w_ok = rows_ok[:, None] & (kw + ww < K // 8)[None, :]
+            s_ok = rows_ok[:, None] & (kw // 2 + gg < K // 16)[None, :]
+            x_ok = kw + ww < K // 8
+        w = tl.load(w32_ptr + W_OFF + rows[:, None] * (K // 8) + kw + ww[None, :], mask=w_ok,
+                    other=0)  # [BLOCK_N, BLOCK_W]
+        x_word = x_ptr + 8 * (kw + ww)  # [BLOCK_W] first element of each word
+        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        for j in tl.static_range(4):  # codes j and j + 4 of every word at once
+            lo, hi = _e2m1_pair((w >> (4 * j)) & 0x000F000F)
+            x_lo = tl.load(x_word + j, mask=x_ok, other=0.0).to(tl.float32)
+            x_hi = tl.load(x_word + j + 4, mask=x_ok, other=0.0).to(tl.float32)
+            part += lo * x_lo[None, :] + hi * x_hi[None, :]
+        part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // 2, 2)), axis=2)  # [BLOCK_N, groups]
+        s = tl.load(u8_ptr + S_OFF + rows[:, None] * (K // 16) + kw // 2 + gg[None, :],
                     mask=s_ok, other=0)
         # e4m3 -> fp32 is exact; 2^14 undoes the decode's factor exactly
-        acc += p * (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0)
+        acc += part * (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0)
     return tl.sum(acc, axis=1)
 
 
@@ -117,15 +117,19 @@ def _dense_dot(w_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr
 
 
 @_jit
-def _rows_dot(row_ptr, f32_row_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, FP4: tl.constexpr,
-              W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
-    # one GEMV tile of a slot row: [BLOCK_N] fp32 outputs, NVFP4 globals applied after the loop
+def _rows_dot(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, x_ptr, rows, rows_ok,
+              K: tl.constexpr, FP4: tl.constexpr, W_OFF: tl.constexpr, S_OFF: tl.constexpr,
+              G_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+              EVEN: tl.constexpr):
+    # one GEMV tile of slot `slot`: [BLOCK_N] fp32, NVFP4 globals applied after the loop.
+    # The bank as w (int32 words for FP4, else the dense dtype), bytes and fp32; ROW_*: row strides
     if FP4:
-        y = _fp4_dot(row_ptr, x_ptr, rows, rows_ok, K, W_OFF, S_OFF, BLOCK_N, BLOCK_R, EVEN)
-        y = y * tl.load(f32_row_ptr + G_OFF + rows, mask=rows_ok, other=0.0)
+        y = _fp4_dot(w_ptr + slot * ROW_W, u8_ptr + slot * ROW_U8, x_ptr, rows, rows_ok, K, W_OFF,
+                     S_OFF, BLOCK_N, BLOCK_R, EVEN)
+        y = y * tl.load(f32_ptr + slot * ROW_F32 + G_OFF + rows, mask=rows_ok, other=0.0)
     else:
-        y = _dense_dot(row_ptr, x_ptr, rows, rows_ok, K, W_OFF, BLOCK_N, BLOCK_R, EVEN)
+        y = _dense_dot(w_ptr + slot * ROW_W, x_ptr, rows, rows_ok, K, W_OFF, BLOCK_N, BLOCK_R,
+                       EVEN)
     return y
 
 
@@ -133,19 +137,19 @@ def _rows_dot(row_ptr, f32_row_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, FP4: 
 
 
 @_jit
-def _gate_up_kernel(x_ptr, w_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_F32,
+def _gate_up_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8, ROW_F32,
                     D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
                     W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
-    # grid (T * K, cdiv(I, BLOCK_N)); w_ptr: the bank as uint8 (FP4) or as the dense dtype
+    # grid (T * K, cdiv(I, BLOCK_N)); x [T, D] -> h [T, K, I] fp32
     tk = tl.program_id(0)
     r = tl.arange(0, 2 * BLOCK_N)
     h_rows = tl.program_id(1) * BLOCK_N + r // 2  # [2 * BLOCK_N]
     rows = h_rows + (r % 2) * I  # gate rows and up rows interleaved, one tile for both
     ok = h_rows < I
     slot = tl.load(slots_ptr + tk).to(tl.int64)
-    gu = _rows_dot(w_ptr + slot * ROW_W, f32_ptr + slot * ROW_F32, x_ptr + (tk // K) * D, rows,
-                   ok, D, FP4, W_OFF, S_OFF, G_OFF, 2 * BLOCK_N, BLOCK_R, EVEN)
+    gu = _rows_dot(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, x_ptr + (tk // K) * D,
+                   rows, ok, D, FP4, W_OFF, S_OFF, G_OFF, 2 * BLOCK_N, BLOCK_R, EVEN)
     gu = tl.reshape(gu, (BLOCK_N, 2))
     up = tl.arange(0, 2)[None, :] == 1
     g = tl.sum(tl.where(up, 0.0, gu), axis=1)  # [BLOCK_N]; adding zeros is exact
@@ -155,7 +159,7 @@ def _gate_up_kernel(x_ptr, w_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_F32,
 
 
 @_jit
-def _down_kernel(h_ptr, w_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_F32,
+def _down_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_U8, ROW_F32,
                  D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr,
                  W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
@@ -164,8 +168,8 @@ def _down_kernel(h_ptr, w_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_F32,
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < D
     slot = tl.load(slots_ptr + tk).to(tl.int64)
-    y = _rows_dot(w_ptr + slot * ROW_W, f32_ptr + slot * ROW_F32, h_ptr + tk * I, rows, ok, I,
-                  FP4, W_OFF, S_OFF, G_OFF, BLOCK_N, BLOCK_R, EVEN)
+    y = _rows_dot(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, h_ptr + tk * I, rows, ok,
+                  I, FP4, W_OFF, S_OFF, G_OFF, BLOCK_N, BLOCK_R, EVEN)
     tl.store(y_ptr + tk * D + rows, y, mask=ok)
 
 
@@ -204,6 +208,21 @@ def _offset(layout: RowLayout, name: str, unit: int) -> int:
     return off // unit
 
 
+@functools.lru_cache(maxsize=64)
+def _gemv_args(layout: RowLayout, part: str, n: int, cap: int) -> dict:
+    # constexpr arguments of one projection's GEMV; n: reduction length, cap: elements per step
+    if layout.kind != "nvfp4":
+        step, even = _block(n, cap)
+        unit = layout.dtype.itemsize
+        return dict(FP4=False, W_OFF=_offset(layout, part, unit), S_OFF=0, G_OFF=0,
+                    BLOCK_R=step, EVEN=even)
+    assert n % 16 == 0, "NVFP4 needs dims divisible by 16"
+    step, even = _block(n // 8, cap // 8)  # steps count int32 words of 8 codes
+    assert step >= 2, "an NVFP4 step must hold whole scale groups (>= 16 elements)"
+    return dict(FP4=True, W_OFF=_offset(layout, part, 4), S_OFF=_offset(layout, part + "_scale", 1),
+                G_OFF=_offset(layout, part + "_global", 4), BLOCK_R=step, EVEN=even)
+
+
 def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
                           weights: Tensor, tiles: DecodeTiles = DecodeTiles()) -> Tensor:
     """sum_k weights[t, k] * expert(slot slots[t, k])(x[t]) for decode; x [T, D] -> [T, D].
@@ -221,33 +240,21 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     assert bank.is_contiguous() and slots.shape == weights.shape == (T, K)
     assert x.device == bank.device == slots.device == weights.device
     x, slots, weights = x.contiguous(), slots.contiguous(), weights.contiguous()
-    f32 = bank.view(torch.float32)  # NVFP4 per-row globals
-    if layout.kind == "nvfp4":
-        assert D % 16 == 0 and I % 16 == 0
-        w, unit, fp4 = bank, 1, True
-        # steps count packed bytes (2 elements each) and must hold whole 16-element groups
-        (b1, even1), (b2, even2) = _block(D // 2, tiles.gate_up_k // 2), _block(I // 2,
-                                                                                 tiles.down_k // 2)
-        assert b1 >= 8 and b2 >= 8, "NVFP4 steps must hold whole scale groups (>= 16 elements)"
-        names = ("gate_up", "gate_up_scale", "gate_up_global"), ("down", "down_scale", "down_global")
-        offs = [(_offset(layout, a, 1), _offset(layout, b, 1), _offset(layout, c, 4))
-                for a, b, c in names]
-    else:
-        w, fp4 = bank.view(layout.dtype), False
-        unit = w.element_size()
-        (b1, even1), (b2, even2) = _block(D, tiles.gate_up_k), _block(I, tiles.down_k)
-        offs = [(_offset(layout, "gate_up", unit), 0, 0), (_offset(layout, "down", unit), 0, 0)]
+    # the bank as the weights' element type (NVFP4: int32 words), as bytes, as fp32 (globals)
+    w = bank.view(torch.int32 if layout.kind == "nvfp4" else layout.dtype)
+    f32 = bank.view(torch.float32)
+    banks = (w, bank, f32)
+    strides = (R // w.element_size(), R, R // 4)
     h = torch.empty(T, K, I, dtype=torch.float32, device=x.device)
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    nw = tiles.num_warps
-    n1, n2, n3 = tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
+    nw, n1, n2, n3 = tiles.num_warps, tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
     _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
-        x, w, f32, slots, h, R // unit, R // 4, D=D, I=I, K=K, FP4=fp4, W_OFF=offs[0][0],
-        S_OFF=offs[0][1], G_OFF=offs[0][2], BLOCK_N=n1, BLOCK_R=b1, EVEN=even1, num_warps=nw)
+        x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=nw,
+        **_gemv_args(layout, "gate_up", D, tiles.gate_up_k))
     _down_kernel[(T * K, triton.cdiv(D, n2))](
-        h, w, f32, slots, y, R // unit, R // 4, D=D, I=I, FP4=fp4, W_OFF=offs[1][0],
-        S_OFF=offs[1][1], G_OFF=offs[1][2], BLOCK_N=n2, BLOCK_R=b2, EVEN=even2, num_warps=nw)
+        h, *banks, slots, y, *strides, D=D, I=I, BLOCK_N=n2, num_warps=nw,
+        **_gemv_args(layout, "down", I, tiles.down_k))
     _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3, num_warps=nw)
     return out
 

@@ -24,7 +24,7 @@ the whole per-slot state; score = clock of the last use + (h - 1) * W.
   evict the experts the next token reuses, so rule degrades to LRU there; with more room the bonus
   grows to one token per extra use.
   On synthetic routing (Zipf popularity per layer, per-token reuse probability 0.1-0.8, capacity
-  1.05-4 tokens) this gave 0-12% fewer misses than LRU and never more than 2% more; a fixed
+  1.05-4 tokens) this gave 0-12% fewer misses than LRU and at worst about 1% more; a fixed
   one-token bonus was better at large capacity but up to 60% worse at ~1 token. The test
   tests/test_cache.py::test_rule_beats_lru_on_skewed_routing keeps rule <= lru.
 

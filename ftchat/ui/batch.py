@@ -54,7 +54,8 @@ def _json_job(line: str, lineno: int, system: str | None) -> Job:
     if unknown:
         raise FtchatError(f"{where}: unknown key {unknown[0]!r} "
                           "(expected prompt, system, max_new_tokens)")
-    prompt, sys_text, limit = obj.get("prompt"), obj.get("system", system), obj.get("max_new_tokens")
+    prompt, limit = obj.get("prompt"), obj.get("max_new_tokens")
+    sys_text = obj.get("system", system)
     if not isinstance(prompt, str):
         raise FtchatError(f"{where}: \"prompt\" must be a string")
     if sys_text is not None and not isinstance(sys_text, str):
@@ -122,6 +123,7 @@ class _Replies:
         text_ids = tokens[:-1] if rec.stop == "eos" else tokens
         f = rec.figures
         decode_tps = (rec.n - 1) / rec.decode_s if rec.decode_s > 0 else None
+        prefill_tps = rec.prompt_tokens / rec.prefill_s if rec.prefill_s > 0 else None
         return json.dumps({
             "index": i,
             "text": self.session.tokenizer.decode(text_ids),
@@ -129,7 +131,7 @@ class _Replies:
             "stop": rec.stop,
             "prompt_tokens": rec.prompt_tokens,
             "timings": {"prefill_s": rec.prefill_s,
-                        "prefill_tok_s": rec.prompt_tokens / rec.prefill_s if rec.prefill_s else None,
+                        "prefill_tok_s": prefill_tps,
                         "decode_s": rec.decode_s, "decode_tok_s": decode_tps},
             "offload": dict(f.offload),
             "vram_peak_bytes": f.vram_peak,

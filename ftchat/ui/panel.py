@@ -13,7 +13,6 @@ from typing import TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
-from rich.table import Table
 from rich.text import Text
 
 from ftchat.session import Figures, StepRecord
@@ -53,17 +52,17 @@ def figure_rows(f: Figures | None, context: str | None = None) -> list[tuple[str
     return rows
 
 
-def figures_table(f: Figures | None, status: str = "") -> Table:
-    grid = Table.grid(padding=(0, 1))
+def figures_text(f: Figures | None, status: str = "") -> Text:
+    """The panel: throughput and memory on one line, offload figures on the next."""
     rows = figure_rows(f)
-    for line in (rows[:6], rows[6:]):
-        cells = []
-        for label, value in line:
-            cells += [Text(label, style="dim"), Text(value, style="bold")]
-        grid.add_row(*cells)
+    text = Text()
+    for i, (label, value) in enumerate(rows):
+        sep = "" if i == 0 else "\n" if i == 6 else "   "
+        text.append(sep + label + " ", style="dim")
+        text.append(value, style="bold")
     if status:
-        grid.add_row(Text(status, style="cyan"))
-    return grid
+        text.append("\n" + status, style="cyan")
+    return text
 
 
 def timing_line(prefill_s: float, prefill_tokens: int, decode_s: float, decode_tokens: int,
@@ -110,12 +109,12 @@ class PanelWriter:
         self.line = ""  # the unfinished line of text, drawn inside the panel
         self.figures: Figures | None = None
         self.status = ""
-        self.live = Live(console=console, refresh_per_second=4, transient=True,
+        self.live = Live(console=console, refresh_per_second=10, transient=True,
                          redirect_stdout=False, redirect_stderr=False,
                          get_renderable=self._render)
 
     def _render(self) -> Group:
-        return Group(Text(self.line), figures_table(self.figures, self.status))
+        return Group(Text(self.line), figures_text(self.figures, self.status))
 
     def write(self, text: str) -> None:
         if not text:

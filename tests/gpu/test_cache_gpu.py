@@ -7,7 +7,13 @@ import random
 import pytest
 import torch
 
-from ftchat.offload.cache import SlotMaps, check_invariants, ensure, prefetch_ensure, prefetch_measure
+from ftchat.offload.cache import (
+    SlotMaps,
+    check_invariants,
+    ensure,
+    prefetch_ensure,
+    prefetch_measure,
+)
 from ftchat.offload.policy import LRU, RULE
 
 pytestmark = pytest.mark.gpu

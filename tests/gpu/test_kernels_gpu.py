@@ -6,8 +6,9 @@ Two ways to run the same tests (the `gpu` marker is deselected by default, so na
 TRITON_INTERPRET=1 (read when the kernels are decorated, so set it on the command line) runs
 every tensor on the CPU; otherwise everything runs on CUDA, with the host store pinned.
 Tolerances: fp32 activations within rtol 1e-5 / atol 1e-5 * max|ref| of the torch reference
-(only summation order differs); bf16 activations within 1 bf16 ulp of the torch mirror and
-within 2^-5 * max|ref| of the reference, which rounds weights and every stage to bf16.
+(only summation order differs); bf16 activations within 1 bf16 ulp (rtol 2^-7) of the torch
+mirror (fp32 math, one rounding at the end) and within 2^-5 * max|ref| of the reference, which
+rounds weights and every stage to bf16 (measured here: <= 0.009 * max|ref| over 8 seeds).
 On exact inputs (every partial sum exact) the kernels equal both references bit for bit.
 """
 
@@ -52,7 +53,7 @@ def test_copy_kernel_follows_the_plan(R, count):
     bank = torch.randint(0, 256, (S + 1, R), dtype=torch.uint8, generator=gen)
     src, dst, cnt = copy_plan(M, count, N, S, gen, dup_src=count == 3)
     want = expected_copy(host, bank, src, dst, count)
-    got = bank.to(DEVICE)
+    got = bank.clone().to(DEVICE)  # clone: on CPU .to() would alias `bank`
     # 3 programs and 256-byte blocks: several work items per row, a partial last block
     copy_mod.copy_rows_triton(_host(host), got, src.to(DEVICE), dst.to(DEVICE), cnt.to(DEVICE),
                               programs=3, block_bytes=256)
@@ -116,7 +117,7 @@ def test_experts_bf16_match_mirror_and_reference(kind):
     mirror = ek.routed_experts_decode_ref(x, bank, layout, slots, w).float()
     got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w)).cpu()
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), mirror, rtol=2**-8, atol=1e-6)
+    torch.testing.assert_close(got.float(), mirror, rtol=2**-7, atol=1e-6)
     torch.testing.assert_close(got.float(), ref, rtol=0, atol=2**-5 * float(ref.abs().max()))
 
 
@@ -168,7 +169,7 @@ def test_experts_tiles_and_masked_steps(kind):
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
-def test_dispatcher_picks_the_kernel_on_cuda():
+def test_dispatcher_picks_the_path_for_the_device():
     layout, bank, slot_of, ids, w, x = _case("nvfp4", 1, 4, exact=False, seed=17)
     x = x.bfloat16()
     args = (*_on(x, bank), layout, *_on(slot_of[ids], ids, w))

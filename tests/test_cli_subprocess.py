@@ -1,0 +1,118 @@
+"""The CLI as a real process: console script, one-line errors, and chat in a pseudo-terminal.
+
+Few tests: each process start imports torch (~2 s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pexpect
+import pytest
+import torch
+
+from ftchat import engine
+from ftchat.model.synth import write_checkpoint
+from ftchat.session import Session
+from ftchat.settings import Settings
+from ftchat.ui.text import printable
+
+FTCHAT = Path(sys.executable).parent / "ftchat"  # the console script of pyproject.toml
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # two OpenMP threads on two shared cores spin against each other
+    yield
+    torch.set_num_threads(n)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FREETOKEN_MOE_")}
+    return {**env, "OMP_NUM_THREADS": "1", "TERM": "dumb", **extra}
+
+
+def greedy(s: Session, ids: list[int], n: int) -> list[int]:
+    return [step.tokens[0] for step in engine.generate(s.model, [ids], n, s.experts)]
+
+
+def test_console_script_piped_and_json(tiny_nvfp4):
+    s = Session.open(tiny_nvfp4, Settings())
+    stdin = 'What is 2+2?\n\n{"prompt": "hello", "max_new_tokens": 4}\n'
+    p = subprocess.run([str(FTCHAT), "run", str(tiny_nvfp4), "--json", "--max-new-tokens", "7",
+                        "--no-panel"], input=stdin, capture_output=True, text=True,
+                       env=child_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    got = [json.loads(line)["tokens"] for line in p.stdout.splitlines()]
+    want = []
+    for text, n in (("What is 2+2?", 7), ("hello", 4)):
+        ref = greedy(s, s.encode_messages([{"role": "user", "content": text}]), n)
+        stop = next((i for i, t in enumerate(ref) if t in s.tokenizer.eos_ids), n - 1)
+        want.append(ref[: stop + 1])
+    assert got == want
+
+
+def test_subprocess_error_is_one_line(tiny_nvfp4, tmp_path):
+    bad = tmp_path / "ck"
+    bad.mkdir()
+    for f in tiny_nvfp4.iterdir():
+        data = f.read_bytes()
+        (bad / f.name).write_bytes(data[:100] if f.name.endswith("00001-of-00002.safetensors")
+                                   else data)
+    p = subprocess.run([sys.executable, "-m", "ftchat.cli", "run", str(bad)], input="hi\n",
+                       capture_output=True, text=True, env=child_env(), timeout=120)
+    assert p.returncode == 1 and p.stdout == ""
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ")
+    assert "model-00001-of-00002.safetensors: unreadable safetensors file" in p.stderr
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    """A tiny checkpoint whose stop tokens never win: lm_head rows of the eos ids are zero."""
+
+    def no_eos(name, t):
+        if name == "lm_head.weight":
+            t = t.clone()
+            t[[507, 509]] = 0  # <|endoftext|>, <|im_end|> of the tiny vocab
+        return t
+
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "endless", "tiny",
+                            fmt="nvfp4-modelopt", seed=1, weights_fn=no_eos)
+
+
+def test_interactive_chat_in_a_terminal(endless):
+    child = pexpect.spawn(sys.executable, ["-m", "ftchat.cli", "run", str(endless),
+                                           "--max-new-tokens", "100000"],
+                          env=child_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("hello")
+        child.expect_exact("hello\r\n")  # the echo: the reply starts after it
+        time.sleep(1.0)
+        child.sendintr()  # Ctrl-C mid-reply
+        child.expect_exact("[interrupted]")
+        shown = child.before
+        child.expect(r"(\d+) tokens, context \d+/\d+ \| prompt eval")
+        n = int(child.match.group(1))
+        child.expect_exact(">>> ")  # the session survived
+        child.sendline("/stats")
+        child.expect(r"tokens  (\d+)")
+        assert int(child.match.group(1)) == n
+        child.expect_exact(">>> ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    # The reply shown is the engine's greedy reply, as far as it got.
+    s = Session.open(endless, Settings())
+    tokens = greedy(s, s.encode_messages([{"role": "user", "content": "hello"}]), n)
+    shown = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", shown).replace("\r\n", "\n").replace("^C", "")
+    assert n > 1 and shown.strip("\n") == printable(s.tokenizer.decode(tokens)).strip("\n")
