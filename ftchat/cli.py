@@ -87,7 +87,7 @@ def run(
     """Chat (stdin a terminal), or reply to each piped prompt (one per line, or JSON lines)."""
     flags = {k: v for k, v in locals().items() if k != "model"}
     settings = resolve_settings(flags, os.environ)
-    from ftchat.ui.run import run as run_ui
+    from ftchat.ui.run import run as run_ui  # imports torch: after the flags are known good
 
     raise typer.Exit(run_ui(model, settings, os.environ, sys.stdin, sys.stdout, sys.stderr))
 

@@ -112,15 +112,19 @@ def test_reply_stops_when_the_context_is_full(tiny_nvfp4):
     assert [r.token for r in records] == greedy(s, p, len(records))
 
 
-def test_chat_keeps_the_conversation(tiny_nvfp4):
+@pytest.mark.parametrize("first, ends_on_eos", [
+    ("The quick brown fox jumps over the lazy dog.", False), ("hello", True)])
+def test_chat_keeps_the_conversation(tiny_nvfp4, first, ends_on_eos):
     s = Session.open(tiny_nvfp4, Settings(max_new_tokens=16))
-    t1 = s.turn_ids("The quick brown fox jumps over the lazy dog.")
+    t1 = s.turn_ids(first)
     r1 = [r.token for r in s.chat(t1)]
+    assert (r1[-1] in s.tokenizer.eos_ids) == ends_on_eos  # both ways of ending a turn
     t2 = s.turn_ids("more")
     assert s.tokenizer.decode(t2).startswith("\n<|im_start|>user\nmore")
     r2 = [r.token for r in s.chat(t2)]
-    end = [] if r1[-1] in s.tokenizer.eos_ids else [r1[-1]]  # the reply's last token, unfed
-    history = t1 + r1[: len(r1) - len(end)] + end + [s.im_end] + t2
+    # The turn is closed by <|im_end|>, which takes the place of a stop token.
+    body = r1[:-1] if r1[-1] in s.tokenizer.eos_ids else r1
+    history = t1 + body + [s.im_end] + t2
     assert r2 == until_stop(greedy(s, history, 16), s.tokenizer.eos_ids)
     # negative control: without the history the same turn gives another reply
     alone = s.encode_messages([{"role": "user", "content": "more"}])

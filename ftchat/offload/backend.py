@@ -119,7 +119,7 @@ class OffloadExperts:
             self._predict(nxt, x)
         if cfg.prefetch == "measure" and layer > 0:
             self._measure(layer, ids)  # the maps are as they were when the candidates were made
-        s.wait("compute", self.prefetch_done[layer])  # the join: prefetch copy of L before ensure(L)
+        self._join(layer)
         plan = self._run_compute(lambda: sc.ensure(self.maps, layer, ids, self.policy))
         pplan = None
         if cfg.prefetch == "on" and nxt is not None:
@@ -127,10 +127,12 @@ class OffloadExperts:
             pplan = self._install_prefetch(nxt, plan.slots)
         ready = s.record("compute")
         s.wait("copy", ready)
+        self.hooks.before_copy(self, plan, layer, "demand")
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
         demand_done = s.record("copy")
         if pplan is not None:
             s.wait("prefetch", demand_done)
+            self.hooks.before_copy(self, pplan, nxt, "prefetch")
             s.run("prefetch", lambda: self._copy(pplan, nxt, "prefetch"))
             self.prefetch_done[nxt] = s.record("prefetch")
         if not cfg.overlap:
@@ -155,6 +157,11 @@ class OffloadExperts:
         self.streams.run("compute", lambda: out.append(fn()))
         return out[0]
 
+    def _join(self, layer: int) -> None:
+        """The compute stream waits for layer's prefetch copy before issuing its demand copy:
+        that copy may target a wrong guess's slot, and the routed kernel reads right ones."""
+        self.streams.wait("compute", self.prefetch_done[layer])
+
     def _install_prefetch(self, nxt: int, protect: Tensor) -> sc.PrefetchPlan:
         """prefetch_ensure(nxt) on the compute stream: the maps have one writer."""
         return self._run_compute(lambda: sc.prefetch_ensure(
@@ -177,6 +184,6 @@ class OffloadExperts:
         self.measured[layer] += torch.cat([c.selected, c.useful, c.misses])
 
     def _copy(self, plan, layer: int, kind: str) -> None:
-        self.hooks.before_copy(self, plan, layer, kind)
+        """Runs on the copy's own stream."""
         copy_rows(self.host, self.bank, plan.src, plan.dst, plan.count, self.cfg.copy_programs)
         self.hooks.after_copy(self, plan, layer, kind)

@@ -41,25 +41,38 @@ def _jit(fn):
 
 @dataclass(frozen=True)
 class DecodeTiles:
-    """Tile sizes (powers of two); fixed, not autotuned, since decode runs in a CUDA graph."""
+    """Tile sizes (powers of two); fixed, not autotuned, since decode runs in a CUDA graph.
+    `default_tiles` picks them per layout; the benchmark sweeps them."""
 
-    gate_up_rows: int = 16  # h rows per program of kernel 1 (it reads as many gate and up rows)
-    gate_up_k: int = 256  # reduction elements (over D) per loop step of kernel 1
-    down_rows: int = 32  # output rows per program of kernel 2
-    down_k: int = 128  # reduction elements (over I) per loop step of kernel 2
+    gate_up_rows: int  # h rows per program of kernel 1 (it reads as many gate and up rows)
+    gate_up_k: int  # reduction elements (over D) per loop step of kernel 1
+    gate_up_warps: int
+    down_rows: int  # output rows per program of kernel 2
+    down_k: int  # reduction elements (over I) per loop step of kernel 2
+    down_warps: int
     combine_rows: int = 256  # output columns per program of kernel 3
-    num_warps: int = 4
+
+
+def default_tiles(layout: RowLayout) -> DecodeTiles:
+    # NVFP4 decode is issue-bound (~5 instructions per weight in sm_90 SASS at 4 rows per
+    # thread): these tiles give each thread 4 rows x 4 words and 400 programs per kernel at
+    # D=2560, I=640, K=10, T=1. Dense rows are plainly memory-bound.
+    if layout.kind == "nvfp4":
+        return DecodeTiles(16, 512, 4, 64, 128, 2)
+    return DecodeTiles(16, 256, 4, 32, 128, 4)
 
 
 # ===== device helpers =====
 
 
 @_jit
-def _e2m1_pair(u):
-    # u: int32 with nibble codes in bits 0..3 and 16..19 -> (E2M1 values * 2^-14) of both, exact.
-    # Each half becomes the fp16 with sign at bit 15 and e1 e0 m at bits 11..9:
-    # ((c & 7) << 9) | ((c & 8) << 12) == (c + 7 * (c & 8)) << 9; codes 0, 1 land on subnormals
-    bits = (u + 7 * (u & 0x00080008)) << 9
+def _e2m1_pair(w, J: tl.constexpr):
+    # codes J and J + 4 of int32 words w -> their E2M1 values * 2^-14 as fp32, exact. Each code c
+    # becomes the fp16 ((c & 7) << 9) | ((c & 8) << 12) (codes 0 and 1 land on subnormals): shift c
+    # to bits 9..12 (the other code to 25..28), then move the sign from bit 12 to 15 by adding 7x it
+    v = (w << (9 - 4 * J)) if J < 3 else (w >> 3)
+    v = v & 0x1E001E00
+    bits = v + 7 * (v & 0x10001000)
     lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
@@ -87,10 +100,9 @@ def _fp4_dot(w32_ptr, u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.c
         x_word = x_ptr + 8 * (kw + ww)  # [BLOCK_W] first element of each word
         part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
         for j in tl.static_range(4):  # codes j and j + 4 of every word at once
-            lo, hi = _e2m1_pair((w >> (4 * j)) & 0x000F000F)
-            x_lo = tl.load(x_word + j, mask=x_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_word + j + 4, mask=x_ok, other=0.0).to(tl.float32)
-            part += lo * x_lo[None, :] + hi * x_hi[None, :]
+            lo, hi = _e2m1_pair(w, j)
+            part += lo * tl.load(x_word + j, mask=x_ok, other=0.0).to(tl.float32)[None, :]
+            part += hi * tl.load(x_word + j + 4, mask=x_ok, other=0.0).to(tl.float32)[None, :]
         part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // 2, 2)), axis=2)  # [BLOCK_N, groups]
         s = tl.load(u8_ptr + S_OFF + rows[:, None] * (K // 16) + kw // 2 + gg[None, :],
                     mask=s_ok, other=0)
@@ -224,7 +236,7 @@ def _gemv_args(layout: RowLayout, part: str, n: int, cap: int) -> dict:
 
 
 def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
-                          weights: Tensor, tiles: DecodeTiles = DecodeTiles()) -> Tensor:
+                          weights: Tensor, tiles: DecodeTiles | None = None) -> Tensor:
     """sum_k weights[t, k] * expert(slot slots[t, k])(x[t]) for decode; x [T, D] -> [T, D].
 
     Args:
@@ -232,7 +244,7 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
         bank: [S (+1), R] uint8 slot bank on x's device.
         layout: the row layout ('nvfp4' or a dense dtype).
         slots, weights: [T, K] slot ids (int32/int64) and routing weights.
-        tiles: tile sizes (the benchmark sweeps them).
+        tiles: tile sizes; None: `default_tiles(layout)`.
     """
     T, D = x.shape
     K, I, R = slots.shape[1], layout.inter, bank.shape[1]
@@ -248,14 +260,15 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     h = torch.empty(T, K, I, dtype=torch.float32, device=x.device)
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    nw, n1, n2, n3 = tiles.num_warps, tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
+    tiles = tiles or default_tiles(layout)
+    n1, n2, n3 = tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
     _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
-        x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=nw,
+        x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=tiles.gate_up_warps,
         **_gemv_args(layout, "gate_up", D, tiles.gate_up_k))
     _down_kernel[(T * K, triton.cdiv(D, n2))](
-        h, *banks, slots, y, *strides, D=D, I=I, BLOCK_N=n2, num_warps=nw,
+        h, *banks, slots, y, *strides, D=D, I=I, BLOCK_N=n2, num_warps=tiles.down_warps,
         **_gemv_args(layout, "down", I, tiles.down_k))
-    _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3, num_warps=nw)
+    _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3, num_warps=4)
     return out
 
 

@@ -11,10 +11,10 @@ class Hooks:
     on_map_write = None  # callable(name) before every slot-map write, or None (zero cost)
 
     def before_copy(self, backend, plan, layer: int, kind: str) -> None:
-        """A copy of `plan` (kind 'demand' or 'prefetch') is about to run on its stream."""
+        """A copy of `plan` (kind 'demand' or 'prefetch') is being issued (compute side)."""
 
     def after_copy(self, backend, plan, layer: int, kind: str) -> None:
-        """The copy of `plan` has been issued, on the copy's own stream."""
+        """The copy of `plan` has run, on the copy's own stream."""
 
     def before_kernel(self, backend, pending) -> None:
         """The routed expert kernel of pending.layer is about to read pending.slots."""

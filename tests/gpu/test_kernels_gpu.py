@@ -160,11 +160,13 @@ def test_experts_do_not_depend_on_the_slot(kind):
 
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
 def test_experts_tiles_and_masked_steps(kind):
-    # D/2 = 40 bytes: no power-of-two step divides it, so the last step is masked; odd tiles
+    # D = 80 (10 NVFP4 words): no large power-of-two step divides it, so kernel 1's last step
+    # is masked; more rows than I = 48 in kernel 1, two-word steps in kernel 2, other warps
     layout, bank, slot_of, ids, w, x = _case(kind, 1, 3, exact=False, seed=13, D=80, I=48)
     ref = routed_experts(x, bank, layout, slot_of[ids], ids, w)
-    tiles = ek.DecodeTiles(gate_up_rows=32, gate_up_k=128, down_rows=16, down_k=16,
-                           combine_rows=32)
+    tiles = ek.DecodeTiles(gate_up_rows=64, gate_up_k=128, gate_up_warps=2, down_rows=16,
+                           down_k=16, down_warps=8, combine_rows=32)
+    assert not ek._gemv_args(layout, "gate_up", 80, 128)["EVEN"]
     got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
