@@ -18,6 +18,7 @@ from ftchat.model.qwen4_exp import ExpertBackend, Weights, forward
 from ftchat.model.rows import RowLayout
 from ftchat.model.state import DecodeState
 from ftchat.errors import FtchatError
+from ftchat.graph import DecodeGraph
 from ftchat.offload.backend import OffloadConfig, OffloadExperts, ResidentExperts
 from ftchat.offload.hooks import Hooks
 from ftchat.offload.store import fill_host_rows, pin
@@ -25,6 +26,7 @@ from ftchat.offload.streams import make_streams
 from ftchat.settings import Settings
 
 HEADROOM_BYTES = 1 << 30  # VRAM left free for activations, workspaces and graphs
+PLE_ON_DEVICE_BYTES = 2 << 30  # the real table (48 GiB) stays in host memory
 
 
 @dataclass
@@ -45,6 +47,9 @@ def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = tor
     dense = ckpt.dense(dtype, device, progress=(lambda i, n: progress("dense", i, n)) if progress else None)
     layout = ckpt.row_layout()
     rows = fill_host_rows(ckpt, layout, (lambda i, n: progress("experts", i, n)) if progress else None)
+    for name, t in dense.items():  # the n-gram table: on the device when small (else on host)
+        if "ngram_embedding" in name and t.numel() * t.element_size() <= PLE_ON_DEVICE_BYTES:
+            dense[name] = t.to(device)
     return LoadedModel(a, Weights(dense, a.num_hidden_layers), layout, rows,
                        torch.device(device), dtype)
 
@@ -122,12 +127,53 @@ def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: in
 
 def decode_step(m: LoadedModel, state: DecodeState, tokens: Tensor, lengths: list[int],
                 experts: ExpertBackend) -> Tensor:
-    """One token per sequence: tokens [B] at positions lengths[b]; logits [B, V]."""
-    B = tokens.shape[0]
+    """One token per sequence: tokens [B] at positions lengths[b]; logits [B, V].
+
+    Attention always spans the whole KV capacity (masked), so eager and graph replay do the same
+    arithmetic."""
     pos = torch.tensor(lengths, device=m.device)[:, None]  # [B, 1]
-    logits = forward(tokens[:, None].to(m.device), pos, m.weights, state, slice(0, B), experts,
-                     m.args, kv_len=max(lengths) + 1)
+    return _decode(m, state, experts, tokens.to(m.device), pos)
+
+
+def _decode(m: LoadedModel, state: DecodeState, experts: ExpertBackend, tokens: Tensor,
+            pos: Tensor) -> Tensor:
+    B = tokens.shape[0]
+    logits = forward(tokens[:, None], pos, m.weights, state, slice(0, B), experts, m.args,
+                     kv_len=state.max_len)
     return logits[:, 0]
+
+
+class Decoder:
+    """Decode state of a batch of B sequences and its expert backend. With graph=True the whole
+    decode step (cache logic and copies included) replays from one CUDA graph."""
+
+    def __init__(self, m: LoadedModel, experts: ExpertBackend, batch: int, max_len: int,
+                 graph: bool = False):
+        self.m, self.experts = m, experts
+        self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype)
+        self.graph = None
+        if graph:
+            self.graph = DecodeGraph(lambda tok, pos: _decode(m, self.state, experts, tok, pos),
+                                     batch, m.device)
+            self.reset()  # capture ran the step twice: start clean
+
+    def reset(self) -> None:
+        eos = self.m.args.eos_token_id or 0
+        self.state.reset(slice(0, self.state.ple_ctx.shape[0]), eos)
+        if hasattr(self.experts, "reset"):
+            self.experts.reset()
+
+    def prefill(self, row: int, ids: Tensor, start: int) -> Tensor:
+        return prefill(self.m, self.state, row, ids, start, self.experts)
+
+    def step(self, tokens: Tensor, lengths: list[int]) -> Tensor:
+        """logits [B, V] for tokens [B] at positions lengths."""
+        if self.graph is not None:
+            logits = self.graph(tokens, lengths)
+        else:
+            logits = decode_step(self.m, self.state, tokens, lengths, self.experts)
+        self.experts.end_step()
+        return logits
 
 
 @dataclass(frozen=True)
@@ -139,22 +185,18 @@ class Step:
 
 
 def generate(m: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
-             experts: ExpertBackend, max_len: int | None = None) -> Iterator[Step]:
+             experts: ExpertBackend, max_len: int | None = None, graph: bool = False
+             ) -> Iterator[Step]:
     """Greedy decode of a batch of prompts (prefilled one by one, decoded together)."""
-    B = len(prompts)
     max_len = max_len or max(len(p) for p in prompts) + max_new_tokens + 1
-    state = DecodeState.create(m.args, B, max_len, m.device, m.dtype)
-    last = []
-    for b, p in enumerate(prompts):
-        last.append(prefill(m, state, b, torch.tensor(p), 0, experts)[-1])
-    logits = torch.stack(last)
+    dec = Decoder(m, experts, len(prompts), max_len, graph)
+    logits = torch.stack([dec.prefill(b, torch.tensor(p), 0)[-1] for b, p in enumerate(prompts)])
     lengths = [len(p) for p in prompts]
     for i in range(max_new_tokens):
         nxt = logits.argmax(-1)  # [B]
         # SYNC: the sampled tokens go to the host
-        yield Step(tuple(nxt.tolist()), logits)
+        yield Step(tuple(nxt.tolist()), logits.clone() if graph else logits)
         if i + 1 == max_new_tokens:
             break
-        logits = decode_step(m, state, nxt, lengths, experts)
-        experts.end_step()
+        logits = dec.step(nxt, lengths)
         lengths = [n + 1 for n in lengths]

@@ -104,13 +104,28 @@ class OffloadExperts:
         self.pred_done: list[object] = [None] * self.num_layers
         self.prefetch_done: list[object] = [None] * self.num_layers
         self.step = 0  # decode steps so far (debug records)
+        self.staged: StagedExperts | None = None
 
     # ===== ExpertBackend =====
-    def for_prefill(self) -> ResidentExperts:
-        """Prefill reads its experts from the host rows and leaves the slot cache untouched."""
-        if self.device.type != "cpu":
-            raise NotImplementedError("prefill with offloaded experts on CUDA: staging area")
-        return ResidentExperts(self.host, self.layout, self.num_experts)
+    def for_prefill(self) -> ResidentExperts | StagedExperts:
+        """Prefill reads its experts from the host rows (CPU) or a staging area (CUDA) and
+        leaves the slot cache untouched."""
+        if self.device.type == "cpu":
+            return ResidentExperts(self.host, self.layout, self.num_experts)
+        if self.staged is None:
+            self.staged = StagedExperts(self.host, self.layout, self.num_experts, self.device,
+                                        self.streams, self.cfg.copy_programs)
+        return self.staged
+
+    def reset(self) -> None:
+        """Empty the cache in place (after CUDA-graph warm-up); addresses are kept."""
+        m = self.maps
+        for t, v in ((m.slot_of, -1), (m.id_of, -1), (m.key, 0), (m.clock, 0)):
+            t.fill_(v)
+        for t in vars(m.stats).values():
+            t.zero_()
+        self.measured.zero_()
+        self.cands.zero_()
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         s, cfg = self.streams, self.cfg
@@ -187,3 +202,38 @@ class OffloadExperts:
         """Runs on the copy's own stream."""
         copy_rows(self.host, self.bank, plan.src, plan.dst, plan.count, self.cfg.copy_programs)
         self.hooks.after_copy(self, plan, layer, kind)
+
+
+class StagedExperts:
+    """Prefill on CUDA: each layer's routed experts are copied into a staging area [E+1, R]
+    separate from the slot cache (routed ids first, ascending), then read from there."""
+
+    def __init__(self, host: Tensor, layout: RowLayout, num_experts: int, device: torch.device,
+                 streams: CpuStreams | CudaStreams, programs: int):
+        self.host, self.layout, self.E, self.streams, self.programs = (
+            host, layout, num_experts, streams, programs)
+        self.staging = torch.empty(num_experts + 1, layout.nbytes, dtype=torch.uint8, device=device)
+
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
+        E, s = self.E, self.streams
+        routed = torch.zeros(E, dtype=torch.bool, device=ids.device)
+        routed[ids.flatten()] = True
+        order = torch.sort((~routed).to(torch.uint8), stable=True).indices  # routed ids first
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(E, device=ids.device))
+        count = routed.sum().reshape(1).to(torch.int32)
+        live = torch.arange(E, device=ids.device) < count
+        src = torch.where(live, order + layer * E, self.host.shape[0])
+        dst = torch.where(live, torch.arange(E, device=ids.device), E).to(torch.int32)
+        s.wait("copy", s.record("compute"))  # the previous layer's kernel has been issued
+        s.run("copy", lambda: copy_rows(self.host, self.staging, src, dst, count, self.programs))
+        return Pending(layer, ids, rank[ids].to(torch.int32), self.staging, s.record("copy"))
+
+    def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
+        self.streams.wait("compute", p.ready)
+        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
+
+    def end_step(self) -> None:
+        pass
+
+    def for_prefill(self) -> "StagedExperts":
+        return self

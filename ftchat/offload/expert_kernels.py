@@ -59,7 +59,7 @@ def default_tiles(layout: RowLayout) -> DecodeTiles:
     # D=2560, I=640, K=10, T=1. Dense rows are plainly memory-bound.
     if layout.kind == "nvfp4":
         return DecodeTiles(16, 512, 4, 64, 128, 2)
-    return DecodeTiles(16, 256, 4, 32, 128, 4)
+    return DecodeTiles(16, 128, 4, 32, 128, 4)
 
 
 # ===== device helpers =====

@@ -78,38 +78,43 @@ class CpuStreams:
 
 
 class CudaStreams:
-    """Real CUDA streams forked from the stream current at construction (the compute stream)."""
+    """Real CUDA streams. `compute` is whatever stream is current when the step runs (the
+    default stream, or the capture stream while a CUDA graph records)."""
 
     def __init__(self, device: torch.device):
         hi = -1  # a higher priority than the default 0: copies jump ahead of queued compute
-        self.streams = {
-            "compute": torch.cuda.current_stream(device),
+        self.side = {
             "predictor": torch.cuda.Stream(device),
             "copy": torch.cuda.Stream(device, priority=hi),
             "prefetch": torch.cuda.Stream(device, priority=hi),
         }
         self.current = "compute"
 
+    def _stream(self, name: str) -> torch.cuda.Stream:
+        return torch.cuda.current_stream() if name == "compute" else self.side[name]
+
     def run(self, stream: str, fn: Callable[[], None]) -> None:
+        if stream == "compute":
+            fn()
+            return
         prev, self.current = self.current, stream
         try:
-            with torch.cuda.stream(self.streams[stream]):
+            with torch.cuda.stream(self.side[stream]):
                 fn()
         finally:
             self.current = prev
 
     def record(self, stream: str) -> torch.cuda.Event:
         ev = torch.cuda.Event()
-        ev.record(self.streams[stream])
+        ev.record(self._stream(stream))
         return ev
 
     def wait(self, stream: str, event: torch.cuda.Event | None) -> None:
         if event is not None:
-            self.streams[stream].wait_event(event)
+            self._stream(stream).wait_event(event)
 
     def synchronize(self) -> None:
-        for s in self.streams.values():
-            s.synchronize()
+        torch.cuda.synchronize()
 
 
 def make_streams(device: torch.device) -> CpuStreams | CudaStreams:
