@@ -26,7 +26,8 @@ from ftchat.offload.streams import make_streams
 from ftchat.settings import Settings
 
 HEADROOM_BYTES = 1 << 30  # VRAM left free for activations, workspaces and graphs
-PLE_ON_DEVICE_BYTES = 2 << 30  # the real table (48 GiB) stays in host memory
+PLE_ON_DEVICE_BYTES = 2 << 30
+PREFILL_CHUNK = 1024  # the real table (48 GiB) stays in host memory
 
 
 @dataclass
@@ -164,7 +165,13 @@ class Decoder:
             self.experts.reset()
 
     def prefill(self, row: int, ids: Tensor, start: int) -> Tensor:
-        return prefill(self.m, self.state, row, ids, start, self.experts)
+        """Logits [T, V] of ids [T] appended to sequence `row` at position `start`, in chunks
+        (the attention scores of a chunk are [heads, chunk, context])."""
+        out = []
+        for i in range(0, ids.shape[0], PREFILL_CHUNK):
+            chunk = ids[i : i + PREFILL_CHUNK]
+            out.append(prefill(self.m, self.state, row, chunk, start + i, self.experts))
+        return torch.cat(out)
 
     def step(self, tokens: Tensor, lengths: list[int]) -> Tensor:
         """logits [B, V] for tokens [B] at positions lengths."""

@@ -1,0 +1,141 @@
+"""GPU tier (`pytest -m gpu`, on the device): offload and prefetch identities with CUDA graphs and
+in eager mode, delay kernels on every stream, and the in-flight-eviction race with its control."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from ftchat.engine import build_experts, generate, load_model, resident_backend
+from ftchat.model.synth import write_checkpoint
+from ftchat.settings import Settings
+
+pytestmark = pytest.mark.gpu
+STEPS = 201
+PROMPTS = {1: [[3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81]],
+           2: [[3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81], [9, 120, 44, 2, 300]]}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu")
+    return {fmt: write_checkpoint(d / fmt, "tiny", fmt=fmt, seed=0, layers=8)
+            for fmt in ("bf16", "nvfp4-modelopt")}
+
+
+@functools.lru_cache(maxsize=None)
+def model(folder):
+    return load_model(folder, device="cuda", dtype=torch.bfloat16)
+
+
+def tokens_and_logits(out):
+    return [s.tokens for s in out], torch.stack([s.logits for s in out]).float().cpu()
+
+
+@functools.lru_cache(maxsize=None)
+def resident(folder, bs, graph, steps=STEPS):
+    m = model(folder)
+    return tokens_and_logits(generate(m, PROMPTS[bs], steps, resident_backend(m), graph=graph))
+
+
+def offloaded(folder, bs, graph, steps=STEPS, patch=None, **kw):
+    m = model(folder)
+    ex = build_experts(m, Settings(batch_size=bs, **kw))
+    if patch:
+        patch(ex)
+    return tokens_and_logits(generate(m, PROMPTS[bs], steps, ex, graph=graph)), ex
+
+
+def test_decoder_smoke_cuda_matches_cpu(folders):
+    """The same code on the device: fp32 CUDA prefill logits match the CPU ones."""
+    from ftchat.engine import prefill
+    from ftchat.model.state import DecodeState
+
+    cpu, gpu = load_model(folders["bf16"]), load_model(folders["bf16"], device="cuda")
+    ids = torch.tensor(PROMPTS[1][0])
+    outs = []
+    for m in (cpu, gpu):
+        st = DecodeState.create(m.args, 1, 32, m.device, m.dtype)
+        outs.append(prefill(m, st, 0, ids, 0, resident_backend(m)).cpu())
+    assert (outs[0] - outs[1]).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "nvfp4-modelopt"])
+@pytest.mark.parametrize("bs", [1, 2])
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap):
+    folder = folders[fmt]
+    ref = resident(folder, bs, graph)
+    for prefetch, policy in (("off", "lru"), ("on", "rule"), ("on", "lru")):
+        (tokens, logits), ex = offloaded(folder, bs, graph, slots=bs * 4 + 10, eviction=policy,
+                                         overlap=overlap, prefetch=prefetch)
+        assert tokens == ref[0], (prefetch, policy)
+        assert torch.equal(logits, ref[1]), (prefetch, policy)
+        assert int(ex.maps.stats.misses.sum()) > 0
+
+
+def test_graph_replay_equals_eager(folders):
+    assert resident(folders["nvfp4-modelopt"], 2, True)[0] == resident(
+        folders["nvfp4-modelopt"], 2, False)[0]
+
+
+def _sleepy(ex, where: str, cycles: int = 2_000_000):
+    """Delay kernels (torch.cuda._sleep) on one stream before its work."""
+    if where in ("copy", "prefetch"):
+        orig = ex._copy
+
+        def copy(plan, layer, kind):
+            if kind == ("demand" if where == "copy" else "prefetch"):
+                torch.cuda._sleep(cycles)
+            orig(plan, layer, kind)
+        ex._copy = copy
+    elif where == "predictor":
+        orig_pred = ex.predictor
+
+        def pred(x, router, k):
+            torch.cuda._sleep(cycles)
+            return orig_pred(x, router, k)
+        ex.predictor = pred
+    else:  # compute
+        orig_install = ex._install_prefetch
+
+        def install(nxt, protect):
+            torch.cuda._sleep(cycles)
+            return orig_install(nxt, protect)
+        ex._install_prefetch = install
+
+
+@pytest.mark.parametrize("where", ["compute", "predictor", "copy", "prefetch"])
+@pytest.mark.parametrize("graph", [False, True])
+def test_delay_kernels_on_each_stream_change_nothing(folders, where, graph):
+    folder = folders["nvfp4-modelopt"]
+    ref = resident(folder, 2, graph, 41)
+    (tokens, logits), _ = offloaded(folder, 2, graph, steps=41, slots=18, prefetch="on",
+                                    budget_gdn=4, patch=lambda ex: _sleepy(ex, where))
+    assert tokens == ref[0] and torch.equal(logits, ref[1])
+
+
+def test_eviction_of_a_slot_whose_prefetch_copy_is_in_flight(folders):
+    """Slow prefetch copies + wrong guesses that the next ensure evicts at once: with the join the
+    output is exact; the same run without the join (negative control) must come out wrong."""
+    folder = folders["nvfp4-modelopt"]
+    ref = resident(folder, 1, False, 41)
+
+    def wrong_guesses(x, router, k):  # the least likely experts: every install is a miss target
+        return torch.softmax(x.float() @ router.float().T, -1).sum(0).topk(k, largest=False).indices
+
+    def setup(ex, join: bool):
+        ex.predictor = wrong_guesses
+        _sleepy(ex, "prefetch", 20_000_000)
+        if not join:
+            ex._join = lambda layer: None
+
+    (tokens, logits), _ = offloaded(folder, 1, False, steps=41, slots=8, prefetch="on",
+                                    budget_gdn=4, budget_attn=4, patch=lambda ex: setup(ex, True))
+    assert tokens == ref[0] and torch.equal(logits, ref[1])
+    (_, bad_logits), _ = offloaded(folder, 1, False, steps=41, slots=8, prefetch="on",
+                                   budget_gdn=4, budget_attn=4, patch=lambda ex: setup(ex, False))
+    assert not torch.equal(bad_logits, ref[1]), "without the join the race must show"
