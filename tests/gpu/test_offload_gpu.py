@@ -31,6 +31,7 @@ def model(folder):
 
 
 def tokens_and_logits(out):
+    out = list(out)
     return [s.tokens for s in out], torch.stack([s.logits for s in out]).float().cpu()
 
 
