@@ -143,11 +143,13 @@ class OffloadExperts:
         ready = s.record("compute")
         s.wait("copy", ready)
         self.hooks.before_copy(self, plan, layer, "demand")
+        s.hold("copy", plan.src, plan.dst, plan.count)
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
         demand_done = s.record("copy")
         if pplan is not None:
             s.wait("prefetch", demand_done)
             self.hooks.before_copy(self, pplan, nxt, "prefetch")
+            s.hold("prefetch", pplan.src, pplan.dst, pplan.count)
             s.run("prefetch", lambda: self._copy(pplan, nxt, "prefetch"))
             self.prefetch_done[nxt] = s.record("prefetch")
         if not cfg.overlap:
@@ -186,6 +188,7 @@ class OffloadExperts:
         """Layer nxt's router on this layer's router input, on the predictor stream."""
         s = self.streams
         s.wait("predictor", s.record("compute"))
+        s.hold("predictor", x)
 
         def run():
             self.cands[nxt] = self.predictor(x, self.routers[nxt], self.cfg.candidates)
@@ -225,6 +228,7 @@ class StagedExperts:
         src = torch.where(live, order + layer * E, self.host.shape[0])
         dst = torch.where(live, torch.arange(E, device=ids.device), E).to(torch.int32)
         s.wait("copy", s.record("compute"))  # the previous layer's kernel has been issued
+        s.hold("copy", src, dst, count)
         s.run("copy", lambda: copy_rows(self.host, self.staging, src, dst, count, self.programs))
         return Pending(layer, ids, rank[ids].to(torch.int32), self.staging, s.record("copy"))
 

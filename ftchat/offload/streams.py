@@ -59,6 +59,9 @@ class CpuStreams:
         for n in NAMES[1:]:
             self._flush(n, len(self.queues[n].items))
 
+    def hold(self, stream: str, *tensors: torch.Tensor) -> None:
+        """Keep tensors alive for work queued on `stream` (nothing to do here)."""
+
     def _flush(self, stream: str, upto: int) -> None:
         q = self.queues[stream]
         while q.done < upto:
@@ -115,6 +118,14 @@ class CudaStreams:
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
+
+    def hold(self, stream: str, *tensors: torch.Tensor) -> None:
+        """Tensors made on the compute stream and read by work on `stream`: the caching allocator
+        must not hand their memory out again before that work ran (eager mode; graphs keep
+        static memory anyway)."""
+        if stream != "compute":
+            for t in tensors:
+                t.record_stream(self.side[stream])
 
 
 def make_streams(device: torch.device) -> CpuStreams | CudaStreams:
