@@ -76,6 +76,7 @@ class Pending:
     slots: Tensor  # [T, K] int32 slot (or host row) of each routed expert
     bank: Tensor  # the rows the expert kernel reads
     ready: object  # event: the demand copy of this layer is done
+    x: Tensor | None = None  # the router input (debug recorders read it)
 
 
 class OffloadExperts:
@@ -154,7 +155,7 @@ class OffloadExperts:
             self.prefetch_done[nxt] = s.record("prefetch")
         if not cfg.overlap:
             s.wait("compute", demand_done)
-        return Pending(layer, ids, plan.slots, self.bank, demand_done)
+        return Pending(layer, ids, plan.slots, self.bank, demand_done, x)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
         self.streams.wait("compute", p.ready)

@@ -98,13 +98,15 @@ def draw_ids(rng: random.Random, bs: int, k: int, e: int) -> torch.Tensor:
 
 
 def draw_candidates(rng: random.Random, ids: torch.Tensor, e: int) -> torch.Tensor:
-    """[C] candidates, best first: routed ids, random ids and repeats, C in 1..16."""
+    """[C] candidates, best first: ids like a routing (so guesses come true), random ids and
+    repeats, C in 1..16."""
     pool = ids.reshape(-1).tolist() + [rng.randrange(e) for _ in range(8)]
     return torch.tensor([rng.choice(pool) for _ in range(rng.randint(1, 16))])
 
 
 def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, seed: int,
-               steps: int, warm: int = 60) -> Coverage:
+               steps: int, warm: int | None = None) -> Coverage:
+    """Decode-like: layers in order with random jumps, ensure(L) then prefetch_ensure(L + 1)."""
     layers = 4
     rng = random.Random(seed)
     ref = SlotMaps.create(layers, num_experts, num_slots, "cpu")
@@ -113,12 +115,16 @@ def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, 
     prefetch_k = functools.partial(ck.prefetch_ensure_triton, tile=tile)
     cov = Coverage()
     protect = NONE
+    warm = num_slots // 2 + 60 if warm is None else warm  # long enough to fill the cache
+    layer = 0
     for step in range(warm + steps):
         twin = step >= warm
         if step == warm:
             copy_state(ref, dev)
             assert_same_maps(ref, dev, "warm")
-        layer = rng.randrange(layers)
+        jump = rng.random()  # mostly the next layer; a repeat gives hits even in a tiny cache
+        layer = (layer + 1) % layers if jump < 0.7 else layer if jump < 0.85 else \
+            rng.randrange(layers)
         ids = draw_ids(rng, bs, k, num_experts)
         before_hits = int(ref.stats.hits.sum())
         before_useful = int(ref.stats.prefetch_useful.sum())
@@ -136,7 +142,7 @@ def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, 
         protect = p.slots
         for _ in range(rng.choice([0, 1, 1, 1, 2])):  # sometimes none, sometimes two in a row
             nxt = (layer + 1) % layers if rng.random() < 0.8 else rng.randrange(layers)
-            cands = draw_candidates(rng, ids, num_experts)
+            cands = draw_candidates(rng, draw_ids(rng, bs, k, num_experts), num_experts)
             budget = rng.randint(0, min(6, num_slots))
             prot = protect if rng.random() < 0.8 else torch.tensor(
                 rng.sample(range(num_slots), rng.randint(0, min(num_slots, 8))), dtype=torch.int32)
@@ -164,8 +170,8 @@ CASES = [
     (8, 2, 4, 32, LRU, None),
     (37, 1, 4, 32, RULE, None), (37, 2, 10, 32, LRU, None), (37, 1, 10, 32, LRU, None),
     (37, 2, 10, 32, RULE, None),
-    (300, 1, 10, 32, LRU, None), (300, 2, 10, 32, RULE, None), (300, 1, 10, 32, RULE, None),
-    (300, 2, 10, 32, LRU, None),
+    (300, 1, 10, 128, LRU, None), (300, 2, 10, 128, RULE, None), (300, 1, 10, 128, RULE, None),
+    (300, 2, 10, 128, LRU, None),
     (37, 1, 4, 32, RULE, 16),  # 3 tiles, the last partial
     (300, 2, 10, 128, LRU, 64), (300, 1, 10, 128, RULE, 64),  # 5 tiles, the cache fills
 ]
@@ -175,23 +181,23 @@ CASES = [
                          f"{c[4].name}-tile{c[5]}")
 def test_random_runs_leave_identical_maps_and_plans(case):
     S, bs, k, E, policy, tile = case
-    cov = random_run(S, bs, k, E, policy, tile, seed=S * 7 + bs + k + E + (tile or 0), steps=STEPS)
+    cov = random_run(S, bs, k, E, policy, tile, seed=CASES.index(case), steps=STEPS)
+    # the run did what it is meant to check (every case fills its cache: S < layers * E)
     assert cov.misses > 0 and cov.hits > 0
+    assert cov.victim_bands >= {1, 2}  # warm and full: low-priority and resident slots go
     if bs == 2:
         assert cov.duplicates > 0
-    full = S < 4 * E  # warm and full: no empty slot is left, low and resident ones go
-    if STEPS >= 10:  # these need a run of some length to show up
-        assert cov.promoted > 0
-        assert cov.victim_bands >= ({1, 2} if full else {0})
-        if S == 8:
+        if S == 8:  # B * K = S: a protected plan can leave no slot to prefetch into
             assert cov.cut > 0
-    if STEPS >= 100 and policy.freq_cap > 1:
-        assert cov.capped
+    if STEPS >= 100:  # rarer events need a longer run
+        assert cov.promoted > 0
+        if policy.freq_cap > 1:
+            assert cov.capped
 
 
 def test_random_runs_from_a_cold_cache():
     # no warm-up: the first calls see an empty cache (every victim empty, ties by index)
-    for case in ((8, 2, 4, 32, RULE, None), (37, 1, 10, 32, LRU, 16)):
+    for case in ((8, 2, 4, 32, RULE, None), (37, 1, 10, 32, LRU, 16), (300, 2, 10, 32, LRU, None)):
         S, bs, k, E, policy, tile = case
         cov = random_run(S, bs, k, E, policy, tile, seed=3, steps=max(STEPS // 2, 5), warm=0)
         assert 0 in cov.victim_bands and cov.misses > 0
