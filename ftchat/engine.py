@@ -84,17 +84,18 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
     when every expert fits (on the CPU: when no slot count is asked for)."""
     a = m.args
     S = num_slots(m, settings)
-    wants_debug = hooks is not None or settings.verify or settings.audit_every
+    wants_debug = (hooks is not None or settings.verify or settings.audit_every
+                   or settings.record_routing)
     if S == a.num_hidden_layers * a.num_experts and settings.prefetch == "off" and not wants_debug \
             and settings.slots is None:
         return resident_backend(m)
+    routers = [m.weights.layers[i]["mlp"]["gate.weight"] for i in range(a.num_hidden_layers)]
     if hooks is None:
-        hooks = debug_hooks(settings, a.num_hidden_layers, S, m.device)
+        hooks = debug_hooks(settings, a.num_hidden_layers, S, m.device, routers)
     cfg = OffloadConfig(num_slots=S, policy=settings.eviction, prefetch=settings.prefetch,
                         budget_gdn=settings.budget_gdn, budget_attn=settings.budget_attn,
                         candidates=min(settings.candidates, a.num_experts), overlap=settings.overlap,
                         copy_programs=settings.copy_programs)
-    routers = [m.weights.layers[i]["mlp"]["gate.weight"] for i in range(a.num_hidden_layers)]
     attention = {i for i in range(a.num_hidden_layers) if a.is_attention(i)}
     if m.device.type == "cuda" and not m.host_rows.is_pinned():
         pin(m.host_rows)
@@ -102,8 +103,12 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
                           make_streams(m.device), hooks)
 
 
-def debug_hooks(settings: Settings, num_layers: int, num_slots: int, device) -> Hooks | None:
-    """The verifier and/or the slot audit the settings ask for (None when both are off)."""
+def debug_hooks(settings: Settings, num_layers: int, num_slots: int, device,
+                routers: list[Tensor]) -> Hooks | None:
+    """The verifier, the slot audit and the routing recorder the settings ask for (None when
+    all are off)."""
+    from ftchat.debug.routing import RoutingRecorder
+
     from ftchat.debug import HookChain
     from ftchat.debug.audit import SlotAudit
     from ftchat.debug.verify import Verifier
@@ -113,6 +118,8 @@ def debug_hooks(settings: Settings, num_layers: int, num_slots: int, device) -> 
         hooks.append(Verifier(settings.verify, num_layers, device))
     if settings.audit_every:
         hooks.append(SlotAudit(settings.audit_every, num_slots, device))
+    if settings.record_routing:
+        hooks.append(RoutingRecorder(settings.record_routing, routers, settings.candidates))
     return None if not hooks else hooks[0] if len(hooks) == 1 else HookChain(hooks)
 
 

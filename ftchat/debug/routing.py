@@ -17,7 +17,7 @@ from ftchat.offload.hooks import Hooks
 
 class RoutingRecorder(Hooks):
     def __init__(self, path: str | Path, routers: list[torch.Tensor], k: int = 16):
-        self.file = open(path, "w")
+        self.file = open(path, "w", buffering=1)  # line-buffered: complete lines on disk
         self.routers, self.k = routers, k
         self.routed: list[list[int]] = []
         self.cands: list[list[int]] = []
