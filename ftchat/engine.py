@@ -137,17 +137,16 @@ def decode_step(m: LoadedModel, state: DecodeState, tokens: Tensor, lengths: lis
                 experts: ExpertBackend) -> Tensor:
     """One token per sequence: tokens [B] at positions lengths[b]; logits [B, V].
 
-    Attention always spans the whole KV capacity (masked), so eager and graph replay do the same
-    arithmetic."""
+    Eager attention spans the longest sequence; a captured graph spans the whole KV capacity
+    (static shapes), masked either way."""
     pos = torch.tensor(lengths, device=m.device)[:, None]  # [B, 1]
-    return _decode(m, state, experts, tokens.to(m.device), pos)
+    return _decode(m, state, experts, tokens.to(m.device), pos, max(lengths) + 1)
 
 
 def _decode(m: LoadedModel, state: DecodeState, experts: ExpertBackend, tokens: Tensor,
-            pos: Tensor) -> Tensor:
+            pos: Tensor, kv_len: int) -> Tensor:
     B = tokens.shape[0]
-    logits = forward(tokens[:, None], pos, m.weights, state, slice(0, B), experts, m.args,
-                     kv_len=state.max_len)
+    logits = forward(tokens[:, None], pos, m.weights, state, slice(0, B), experts, m.args, kv_len)
     return logits[:, 0]
 
 
@@ -161,8 +160,8 @@ class Decoder:
         self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype)
         self.graph = None
         if graph:
-            self.graph = DecodeGraph(lambda tok, pos: _decode(m, self.state, experts, tok, pos),
-                                     batch, m.device)
+            self.graph = DecodeGraph(
+                lambda tok, pos: _decode(m, self.state, experts, tok, pos, max_len), batch, m.device)
             self.reset()  # capture ran the step twice: start clean
 
     def reset(self) -> None:

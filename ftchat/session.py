@@ -19,7 +19,6 @@ import torch
 from ftchat import engine
 from ftchat.errors import FtchatError
 from ftchat.model.qwen4_exp import ExpertBackend
-from ftchat.model.state import DecodeState
 from ftchat.model.tokenizer import IM_END, Tokenizer
 from ftchat.settings import Settings
 
@@ -104,7 +103,8 @@ class Session:
         self.max_len = settings.context or min(a.max_position_embeddings, DEFAULT_CONTEXT)
         self.im_end = tokenizer.special_ids[IM_END]
         # ===== conversation (chat) =====
-        self._state: DecodeState | None = None
+        self._chat: engine.Decoder | None = None
+        self._batch: dict[int, engine.Decoder] = {}
         self.length = 0  # tokens in the conversation's state
         self._pending: list[int] = []  # tokens of the last reply not yet in the state
 
@@ -121,6 +121,12 @@ class Session:
         tokenizer = Tokenizer.from_folder(folder)  # cheap: fails before the weights load
         model = engine.load_model(folder, str(device), dtype, progress)
         return cls(model, tokenizer, settings, build_experts(model, settings))
+
+    def close(self) -> None:
+        """Release what the backend holds open (debug recorders, files), if it has a close()."""
+        close = getattr(self.experts, "close", None)
+        if close is not None:
+            close()
 
     def describe(self) -> str:
         a, m = self.model.args, self.model
@@ -183,13 +189,13 @@ class Session:
     def _chunk(self, seqs: range, prompts: list[list[int]], limits: list[int],
                stops: frozenset[int]) -> Iterator[StepRecord]:
         m, B = self.model, len(prompts)
-        max_len = min(self.max_len, max(map(len, prompts)) + max(limits) + 1)
-        state = DecodeState.create(m.args, B, max_len, m.device, m.dtype)
+        dec = self._decoder(B)
+        max_len = dec.state.max_len
         clock = _Clock(m.device, self.experts)
         last, prefill_s = [], []
         for b, ids in enumerate(prompts):
             t = clock.now()
-            last.append(engine.prefill(m, state, b, torch.tensor(ids), 0, self.experts)[-1])
+            last.append(dec.prefill(b, torch.tensor(ids), 0)[-1])
             prefill_s.append(clock.now() - t)
         logits = torch.stack(last)  # [B, V]
         lengths = [len(p) for p in prompts]
@@ -201,10 +207,10 @@ class Session:
             now = clock.now(sync=False)
             finishing = [_stop(t, n[b] + 1, limits[b], lengths[b], max_len, stops)
                          for b, t in enumerate(tokens)]
-            last = all(d or f for d, f in zip(done, finishing, strict=True))
+            final_step = all(d or f for d, f in zip(done, finishing, strict=True))
             fig = Figures(sum(map(len, prompts)), sum(prefill_s), decode_tokens, now - t0,
                           sum(n) + done.count(False), max(lengths), max_len, *_vram(m.device),
-                          clock.offload(force=last))
+                          clock.offload(force=final_step))
             for b, tok in enumerate(tokens):
                 if done[b]:
                     continue
@@ -214,8 +220,7 @@ class Session:
                                  now - t0, fig)
             if all(done):
                 return
-            logits = engine.decode_step(m, state, torch.tensor(tokens), lengths, self.experts)
-            self.experts.end_step()
+            logits = dec.step(torch.tensor(tokens, device=m.device), lengths)
             decode_tokens += done.count(False)
             # Finished rows still ride along (as in engine.generate) but never past the state.
             lengths = [ln + 1 if not d else min(ln + 1, max_len - 1)
@@ -228,9 +233,8 @@ class Session:
 
     def reset(self) -> None:
         """Forget the conversation."""
-        if self._state is not None:
-            eos = self.model.args.eos_token_id
-            self._state.reset(slice(0, 1), eos if eos is not None else 0)
+        if self._chat is not None:
+            self._chat.state.reset(slice(0, 1), self.model.args.eos_token_id or 0)
         self.length, self._pending = 0, []
 
     def chat(self, ids: Sequence[int]) -> Iterator[StepRecord]:
@@ -247,18 +251,28 @@ class Session:
                 self._check_prompt(len(turn), "the prompt")
             raise FtchatError(f"the conversation is full ({self.length} of {self.max_len} tokens "
                               f"used, the new turn needs {len(turn)}): /reset to start over")
-        if self._state is None:
-            m = self.model
-            self._state = DecodeState.create(m.args, 1, self.max_len, m.device, m.dtype)
-        return self._reply(self._state, turn)
+        if self._chat is None:
+            self._chat = engine.Decoder(self.model, self.experts, 1, self.max_len,
+                                        graph=self.settings.use_graph())
+        return self._reply(self._chat, turn)
 
-    def _reply(self, state: DecodeState, turn: list[int]) -> Iterator[StepRecord]:
+    def _decoder(self, batch: int) -> engine.Decoder:
+        """The batch decoder of `batch` rows (made once: a CUDA graph is captured per size)."""
+        dec = self._batch.get(batch)
+        if dec is None:
+            dec = self._batch[batch] = engine.Decoder(
+                self.model, self.experts, batch, self.max_len, graph=self.settings.use_graph())
+        else:
+            dec.reset()
+        return dec
+
+    def _reply(self, dec: engine.Decoder, turn: list[int]) -> Iterator[StepRecord]:
         m, stops, clock = self.model, self.tokenizer.eos_ids, _Clock(self.model.device,
                                                                      self.experts)
         tok, fed = None, True
         try:
             t = clock.now()
-            logits = engine.prefill(m, state, 0, torch.tensor(turn), self.length, self.experts)
+            logits = dec.prefill(0, torch.tensor(turn), self.length)
             self.length, self._pending = self.length + len(turn), []
             prefill_s = clock.now() - t
             t0 = clock.now(sync=False)
@@ -273,9 +287,7 @@ class Session:
                 yield StepRecord(0, tok, n, stop, len(turn), prefill_s, now - t0, fig)
                 if stop is not None:
                     break
-                logits = engine.decode_step(m, state, torch.tensor([tok]), [self.length],
-                                            self.experts)
-                self.experts.end_step()
+                logits = dec.step(torch.tensor([tok], device=m.device), [self.length])
                 self.length, fed = self.length + 1, True
         except GeneratorExit:
             pass  # closed at a yield: the state is whole, `tok` was shown but not fed

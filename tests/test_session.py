@@ -206,3 +206,18 @@ def test_interrupt_inside_a_step_resets_the_conversation(tiny_nvfp4, fail_at):
     s.experts.fail_at = None
     assert [r.token for r in s.chat(s.turn_ids("hi"))] == [
         r.token for r in fresh.chat(fresh.turn_ids("hi"))]
+
+
+def test_close_reaches_a_backend_that_has_close(tiny_nvfp4):
+    base = Session.open(tiny_nvfp4, Settings())
+    base.close()  # the resident backend has no close(): nothing to do
+
+    class Closing(_FailingExperts):
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    s = Session(base.model, base.tokenizer, base.settings, Closing(base.experts, None))
+    s.close()
+    assert s.experts.closed == 1

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import time
+
 import torch
 from torch import Tensor
 
@@ -106,6 +108,7 @@ class OffloadExperts:
         self.prefetch_done: list[object] = [None] * self.num_layers
         self.step = 0  # decode steps so far (debug records)
         self.staged: StagedExperts | None = None
+        self.batch, self.tokens, self.started = 1, 0, None  # figures for stats()
 
     # ===== ExpertBackend =====
     def for_prefill(self) -> ResidentExperts | StagedExperts:
@@ -130,6 +133,7 @@ class OffloadExperts:
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         s, cfg = self.streams, self.cfg
+        self.batch = x.shape[0]
         nxt = layer + 1 if layer + 1 < self.num_layers else None
         if cfg.prefetch != "off" and nxt is not None:
             self._predict(nxt, x)
@@ -167,7 +171,43 @@ class OffloadExperts:
     def end_step(self) -> None:
         """Called after each decode step (debug audits count steps)."""
         self.step += 1
+        self.tokens += self.batch
+        if self.started is None:
+            self.started = time.perf_counter()
         self.hooks.end_step(self)
+
+    def stats(self) -> dict[str, float]:
+        """Offload figures for the panel and --json. SYNC: reads device counters (call rarely)."""
+        st = self.maps.stats
+        hits, misses = int(st.hits.sum()), int(st.misses.sum())
+        installs, useful = int(st.prefetch_installs.sum()), int(st.prefetch_useful.sum())
+        copied = (misses + installs) * self.layout.nbytes
+        elapsed = time.perf_counter() - self.started if self.started else 0.0
+        out = {"slots": self.cfg.num_slots, "decode_tokens": self.tokens,
+               "misses_per_token": misses / self.tokens if self.tokens else None,
+               "hit_rate": hits / (hits + misses) if hits + misses else None,
+               "copy_gb": copied / 1e9,
+               "copy_gbps": copied / 1e9 / elapsed if elapsed > 0 else None}  # average link use
+        if self.cfg.prefetch == "on":
+            out.update(prefetch_copies=installs, useful_prefetches=useful,
+                       precision=useful / installs if installs else None)
+        elif self.cfg.prefetch == "measure":
+            selected, useful, missed = self.measured.sum(0).tolist()
+            out.update(useful_prefetches=useful, precision=useful / selected if selected else None,
+                       covered_misses=useful / missed if missed else None)
+        for name in ("report", "bad"):  # debug hooks: verifier records, audit bad slots
+            for h in getattr(self.hooks, "hooks", [self.hooks]):
+                val = getattr(h, name, None)
+                if name == "report" and callable(val):
+                    out["verify_records"] = len(val())
+                elif name == "bad" and isinstance(val, list):
+                    out["audit_bad_slots"], out["audits"] = len(val), h.audits
+        return out
+
+    def close(self) -> None:
+        for h in getattr(self.hooks, "hooks", [self.hooks]):
+            if hasattr(h, "close"):
+                h.close()
 
     # ===== parts =====
     def _run_compute(self, fn):

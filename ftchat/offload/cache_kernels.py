@@ -12,6 +12,10 @@ followed by masking it; the map writes come last, after a CTA barrier. For S abo
 kernel keeps each tile's minimum and, after a pick, re-reduces only the winning tile, reading
 back the key it temporarily set to MASKED in memory (the install overwrites it before exit).
 
+Launch shape: grid (1,); one register tile of next_pow2(S) slots up to MAX_TILE (more tiles
+above); 4 warps up to 2048 slots, else 8. Plans are fresh tensors per call, like the reference's:
+a plan still read by a copy stream is never rewritten by the next call.
+
 Legend: B, K, S, C, M = batch, top-k, slots, candidates, B*K; N = layers * experts global ids.
 """
 
@@ -43,15 +47,22 @@ except ImportError:  # CPU-only installs and CI: the dispatchers use the torch r
     HAS_TRITON = False
 
 MAX_TILE = 4096  # slots per register tile: 16 int64 per thread at 8 warps
-_CONSTS = dict(LOW=LOW_BASE, RES=RES_BASE, MASKED=MASKED, HIT_BITS=HIT_BITS,
-               HMASK=MAX_FREQ_CAP, RANK_BITS=RANK_BITS, MAXB=MAX_BUDGET)
+_CONSTS = {"LOW": LOW_BASE, "RES": RES_BASE, "MASKED": MASKED, "HIT_BITS": HIT_BITS,
+           "HMASK": MAX_FREQ_CAP, "RANK_BITS": RANK_BITS, "MAXB": MAX_BUDGET}
 _ENSURE_WRITES = ("key", "slot_of", "id_of", "clock", "stats.hits", "stats.misses",
                   "stats.prefetch_useful")  # every map the ensure kernel writes, as cache.py names
 _PREFETCH_WRITES = ("slot_of", "id_of", "key", "stats.prefetch_installs")
 
 
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
+def _jit(fn=None, **kwargs):
+    if fn is None:  # used as @_jit(do_not_specialize=...)
+        return lambda f: _jit(f, **kwargs)
+    return triton.jit(fn, **kwargs) if HAS_TRITON else fn
+
+
+# per-call integers are not specialized on their values (layer == 1, base % 16 == 0, ...):
+# one compiled kernel per shape, so a warm-up of any layer compiles what a graph capture needs
+_PLAIN_INTS = ["base", "layer", "S", "N"]
 
 
 # ===== device helpers =====
@@ -108,19 +119,19 @@ def _pick_victims(key_ptr, ids_ptr, base, slot_of_ptr, prot_ptr, S, picks,
             tkey = tl.where(tpos == t, kmin, tkey)
             tidx = tl.where(tpos == t, v + t * BLOCK, tidx)
         for r in range(picks):
-            kmin, t = tl.min(tkey, axis=0, return_indices=True)  # ties: lower tile
+            kmin, win = tl.min(tkey, axis=0, return_indices=True)  # ties: lower tile
             ok = kmin < MASKED
-            v = tl.sum(tl.where(tpos == t, tidx, 0), axis=0)
+            v = tl.sum(tl.where(tpos == win, tidx, 0), axis=0)
             victims = tl.where((vpos == r) & ok, v, victims)
             # park the pick at MASKED in memory (the install overwrites it), re-reduce its tile
             tl.store(key_ptr + v, MASKED, mask=ok)
             tl.debug_barrier()
-            offs = t * BLOCK + idx
+            offs = win * BLOCK + idx
             keys = tl.load(key_ptr + offs, mask=offs < S, other=MASKED, volatile=True)
             keys = _block_tile(keys, offs, ids_ptr, base, slot_of_ptr, prot_ptr, NQ, NP, MASKED)
             kmin, v = tl.min(keys, axis=0, return_indices=True)
-            tkey = tl.where(tpos == t, kmin, tkey)
-            tidx = tl.where(tpos == t, v + t * BLOCK, tidx)
+            tkey = tl.where(tpos == win, kmin, tkey)
+            tidx = tl.where(tpos == win, v + win * BLOCK, tidx)
     return victims
 
 
@@ -146,7 +157,7 @@ def _install(slot_of_ptr, id_of_ptr, key_ptr, gids, victims, real, keys):
 # ===== ensure =====
 
 
-@_jit
+@_jit(do_not_specialize=_PLAIN_INTS + ["weight", "freq_cap"])
 def _ensure_kernel(ids_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_ptr,
                    hits_ptr, misses_ptr, useful_ptr, slots_ptr, src_ptr, dst_ptr, count_ptr,
                    base, layer, S, N, weight, freq_cap,
@@ -197,15 +208,22 @@ def _ensure_kernel(ids_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_ptr,
     tl.store(count_ptr, num_miss)
 
 
+def _size(n: int) -> int:
+    # power-of-two vector size; at least 16 so that no block is degenerate
+    return max(16, triton.next_power_of_2(n))
+
+
 def _tiling(num_slots: int, tile: int | None) -> tuple[int, int, int]:
     """(BLOCK, TILES, TB): register tile size, tile count, its power-of-two vector size."""
-    block = min(triton.next_power_of_2(num_slots), tile or MAX_TILE)
+    block = tile or min(_size(num_slots), MAX_TILE)
     tiles = triton.cdiv(num_slots, block)
-    return block, tiles, triton.next_power_of_2(tiles)
+    return block, tiles, _size(tiles)
 
 
 def _warps(block: int, num_warps: int | None) -> int:
-    return num_warps or (4 if block <= 1024 else 8)
+    # per victim one min-reduction: fewer warps, cheaper cross-warp step; more warps, fewer
+    # keys and blocked-slot compares per thread. Not measured yet: the benchmark sweeps it.
+    return num_warps or (4 if block <= 2048 else 8)
 
 
 def _announce(maps: SlotMaps, names: tuple[str, ...]) -> None:
@@ -222,7 +240,7 @@ def _nonempty(x: Tensor) -> Tensor:
 def ensure_triton(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolicy,
                   tile: int | None = None, num_warps: int | None = None) -> DemandPlan:
     """cache.ensure as one kernel launch (grid 1). tile / num_warps: launch shape overrides
-    (benchmarks and tests); the defaults are MAX_TILE and 4 warps up to 1024 slots, else 8."""
+    (benchmarks and tests); the defaults are MAX_TILE and 4 warps up to 2048 slots, else 8."""
     b, k = ids.shape
     m, n, s = b * k, maps.num_ids, maps.num_slots
     if m > s:
@@ -241,7 +259,7 @@ def ensure_triton(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolic
         flat, maps.slot_of, maps.id_of, maps.key, maps.clock,
         st.hits, st.misses, st.prefetch_useful, slots, src, dst, count,
         layer * maps.num_experts, layer, s, n, policy.freq_weight(s, maps.num_layers, m),
-        policy.freq_cap, M=m, MB=triton.next_power_of_2(m), BLOCK=block, TILES=tiles, TB=tb,
+        policy.freq_cap, M=m, MB=_size(m), BLOCK=block, TILES=tiles, TB=tb,
         num_warps=_warps(block, num_warps), **_CONSTS,
     )
     return DemandPlan(slots=slots.reshape(b, k), src=src, dst=dst, count=count)  # [B, K] slots
@@ -250,7 +268,7 @@ def ensure_triton(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolic
 # ===== prefetch_ensure =====
 
 
-@_jit
+@_jit(do_not_specialize=_PLAIN_INTS + ["budget"])
 def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_ptr,
                      installs_ptr, src_ptr, dst_ptr, count_ptr, base, layer, S, N, budget,
                      C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, VB: tl.constexpr,
@@ -262,7 +280,7 @@ def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_
     live = pos < C
     gid = tl.load(cand_ptr + pos, mask=live, other=0).to(tl.int64) + base  # [CB]
     slot = tl.load(slot_of_ptr + gid, mask=live, other=-1)  # [CB]
-    first, same = _dedup(gid, live, CB)
+    first, _ = _dedup(gid, live, CB)
     eligible = first & (slot < 0)  # distinct, not resident; priority = candidate order
     rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
     picks = tl.minimum(tl.sum(eligible.to(tl.int32), axis=0), budget)
@@ -296,7 +314,7 @@ def prefetch_ensure_triton(maps: SlotMaps, layer: int, candidates: Tensor, budge
     cand = candidates.reshape(-1).contiguous()  # [C]
     prot = protect.reshape(-1).contiguous()  # [P]
     c, p = cand.shape[0], prot.shape[0]
-    vb = triton.next_power_of_2(max(budget, 1))
+    vb = _size(budget)
     src = torch.empty(vb, dtype=torch.int64, device=dev)  # entries past budget: scratch
     dst = torch.empty(vb, dtype=torch.int32, device=dev)
     count = torch.empty(1, dtype=torch.int32, device=dev)
@@ -306,7 +324,7 @@ def prefetch_ensure_triton(maps: SlotMaps, layer: int, candidates: Tensor, budge
         _nonempty(cand), _nonempty(prot), maps.slot_of, maps.id_of, maps.key, maps.clock,
         maps.stats.prefetch_installs, src, dst, count,
         layer * maps.num_experts, layer, s, n, budget,
-        C=c, CB=triton.next_power_of_2(max(c, 1)), P=p, VB=vb, BLOCK=block, TILES=tiles,
+        C=c, CB=_size(c), P=p, VB=vb, BLOCK=block, TILES=tiles,
         TB=tb, num_warps=_warps(block, num_warps), **_CONSTS,
     )
     return PrefetchPlan(src=src[:budget], dst=dst[:budget], count=count)

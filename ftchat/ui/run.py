@@ -31,12 +31,16 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
             return 0
     resolved = resolve_model(model, env)
     session = open_session(resolved, settings, screen)
-    if not interactive:
-        return run_batch(session, screen, jobs, settings.json, one_shot=settings.prompt is not None)
-    if settings.json:
-        screen.note("note: --json applies to piped input and --prompt, not to chat")
-    screen.note("/help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits")
-    return run_chat(session, screen, settings.system)
+    try:
+        if not interactive:
+            return run_batch(session, screen, jobs, settings.json,
+                             one_shot=settings.prompt is not None)
+        if settings.json:
+            screen.note("note: --json applies to piped input and --prompt, not to chat")
+        screen.note("/help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits")
+        return run_chat(session, screen, settings.system)
+    finally:
+        session.close()
 
 
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen) -> Session:

@@ -1,8 +1,8 @@
 """Fused slot-map kernels (cache_kernels.py) against the torch specification (cache.py).
 
 Two ways to run (the `gpu` marker is deselected by default, so name it):
-    on the device (CUDA):        pytest -m gpu tests/gpu/test_cache_kernels_gpu.py
-    on CPU, Triton interpreter:  TRITON_INTERPRET=1 pytest -m gpu tests/gpu/test_cache_kernels_gpu.py
+    on the device (CUDA):  pytest -m gpu tests/gpu/test_cache_kernels_gpu.py
+    on CPU, interpreter:   TRITON_INTERPRET=1 pytest -m gpu tests/gpu/test_cache_kernels_gpu.py
 The random runs drive torch maps (CPU) and kernel maps side by side and require identical maps,
 counters and plans after every call. They take CACHE_KERNEL_STEPS steps each (default 400 on
 CUDA; 10 under the interpreter, where one kernel call costs ~0.1 s), after a warm-up that fills
@@ -28,7 +28,7 @@ from ftchat.offload.policy import LOW_BASE, LRU, RES_BASE, RULE, band_of
 pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
-STEPS = int(os.environ.get("CACHE_KERNEL_STEPS", 10 if INTERPRET else 400))
+STEPS = int(os.environ.get("CACHE_KERNEL_STEPS", "10" if INTERPRET else "400"))
 NONE = torch.empty(0, dtype=torch.int32)  # protect nothing
 
 
@@ -191,7 +191,7 @@ def test_random_runs_leave_identical_maps_and_plans(case):
             assert cov.cut > 0
     if STEPS >= 100:  # rarer events need a longer run
         assert cov.promoted > 0
-        if policy.freq_cap > 1:
+        if policy.freq_cap > 1 and S >= 300:  # smaller caches evict before 16 uses
             assert cov.capped
 
 
