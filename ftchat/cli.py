@@ -127,6 +127,76 @@ def info(
     typer.echo("\n".join(info_lines(resolved.path, vram)))
 
 
+def _engine_flags(local: dict, skip: tuple[str, ...]) -> dict:
+    return {k: v for k, v in local.items() if k not in skip}
+
+
+@app.command("verify")
+def verify_cmd(
+    model: Model = None,
+    mode: Annotated[str, typer.Option(help="meta|bytes")] = "meta",
+    prompts: Annotated[int, typer.Option(help="Cold prompts (random nonce prefix)")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt")] = 64,
+    audit_every: Annotated[int, typer.Option(help="Slot audit interval (steps)")] = 64,
+    json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
+    budget: Budget = None, budget_gdn: BudgetGdn = None, budget_attn: BudgetAttn = None,
+    candidates: Candidates = None, slots: Slots = None, expert_vram: ExpertVram = None,
+    eviction: Eviction = None, overlap: Overlap = None, context: Context = None,
+    device: Device = None, dtype: Dtype = None, copy_programs: CopyPrograms = None,
+) -> None:
+    """Prefetch on vs off, token by token, over N cold prompts, with the verifier and the slot
+    audit watching the `on` arm. Exits 1 on any mismatch, verifier record or bad slot."""
+    flags = _engine_flags(locals(), ("model", "mode", "prompts", "max_new_tokens", "audit_every",
+                                     "json"))
+    from ftchat.ui.debug import verify
+    settings = resolve_settings(flags, os.environ)
+    raise typer.Exit(verify(model, settings, os.environ, mode, prompts, max_new_tokens,
+                            audit_every, json))
+
+
+@app.command("audit")
+def audit_cmd(
+    model: Model = None,
+    prompt: Annotated[list[str] | None, typer.Option(
+        help="A prompt (repeatable); default: one per line on stdin")] = None,
+    every: Annotated[int, typer.Option(help="Byte-check the whole cache every N steps")] = 64,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt")] = 128,
+    json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
+    prefetch: Prefetch = None, budget: Budget = None, budget_gdn: BudgetGdn = None,
+    budget_attn: BudgetAttn = None, candidates: Candidates = None, slots: Slots = None,
+    expert_vram: ExpertVram = None, eviction: Eviction = None, overlap: Overlap = None,
+    context: Context = None, device: Device = None, dtype: Dtype = None,
+) -> None:
+    """A decode run with the slot audit on; exits 1 if any held slot's bytes are wrong."""
+    flags = _engine_flags(locals(), ("model", "prompt", "every", "max_new_tokens", "json"))
+    from ftchat.ui.debug import audit
+    settings = resolve_settings(flags, os.environ)
+    texts = prompt or ([] if sys.stdin.isatty() else
+                       [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()])
+    raise typer.Exit(audit(model, settings, os.environ, every, texts, max_new_tokens, json))
+
+
+@app.command("bench")
+def bench_cmd(
+    model: Model = None,
+    arms: Annotated[str, typer.Option(
+        help="Arms separated by ';': resident, off, measure, on[:budget=4,eviction=lru,...]")]
+    = "off;on;on:budget=4",
+    context: Annotated[str, typer.Option(help="Context lengths, e.g. 4k,32k")] = "4k",
+    steps: Annotated[int, typer.Option(help="Tokens per arm per round")] = 32,
+    rounds: Annotated[int, typer.Option(help="Interleaved rounds")] = 3,
+    json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
+    slots: Slots = None, expert_vram: ExpertVram = None, eviction: Eviction = None,
+    graph: Graph = None, device: Device = None, dtype: Dtype = None,
+    copy_programs: CopyPrograms = None,
+) -> None:
+    """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""
+    flags = _engine_flags(locals(), ("model", "arms", "context", "steps", "rounds", "json"))
+    from ftchat.ui.debug import bench
+    settings = resolve_settings(flags, os.environ)
+    raise typer.Exit(bench(model, settings, os.environ, arms, context, steps, rounds, json))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: errors are one `error: ...` line on stderr, never a traceback."""
     try:

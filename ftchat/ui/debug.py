@@ -1,0 +1,119 @@
+"""`ftchat verify`, `ftchat audit` and `ftchat bench`: load, run, print a verdict."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from typing import TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from ftchat.errors import FtchatError
+from ftchat.resolve import DEMO_NOTICE, resolve_model
+from ftchat.settings import Settings
+from ftchat.ui.progress import progress_bar
+
+
+def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: TextIO):
+    from ftchat.engine import load_model
+    from ftchat.model.tokenizer import Tokenizer
+
+    resolved = resolve_model(model, env)
+    if resolved.demo:
+        print(DEMO_NOTICE, file=err)
+    tok = Tokenizer.from_folder(resolved.path)
+    with progress_bar(err, "loading") as bar:
+        m = load_model(resolved.path, str(settings.torch_device()), settings.torch_dtype(), bar)
+    return m, tok
+
+
+def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: str,
+           prompts: int, max_new: int, audit_every: int, as_json: bool,
+           out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Prefetch on vs off over cold prompts with the verifier and audit on the `on` arm."""
+    from ftchat.debug import commands
+
+    out, err = out or sys.stdout, err or sys.stderr
+    if mode not in ("meta", "bytes"):
+        raise FtchatError(f"--mode {mode!r}: expected meta or bytes")
+    if prompts < 1 or max_new < 1 or audit_every < 1:
+        raise FtchatError("--prompts, --max-new-tokens and --audit-every must be >= 1")
+    m, tok = _load(model, settings, env, err)
+    encode = lambda text: tok.encode(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731
+    with progress_bar(err, "verifying") as bar:
+        verdicts = commands.verify(m, encode, settings, prompts, max_new, mode, audit_every,
+                                   progress=lambda i, n: bar("prompts", i, n))
+    s = commands.summary(verdicts)
+    if as_json:
+        out.write(json.dumps({**s, "per_prompt": [vars(v) for v in verdicts]}) + "\n")
+    else:
+        table = Table(title=f"prefetch on vs off, verify={mode}, audit every {audit_every}")
+        for col in s:
+            table.add_column(col.replace("_", " "))
+        table.add_row(*["-" if v is None else str(v) for v in s.values()])
+        Console(file=out).print(table)
+        for v in verdicts:
+            if v.first_mismatch is not None or v.records or v.bad_slots:
+                out.write(f"prompt {v.index}: first mismatch {v.first_mismatch}, "
+                          f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
+                          f"first record {v.records[:1]}\n")
+    return commands.exit_code(s)
+
+
+def audit(model: str | None, settings: Settings, env: Mapping[str, str], every: int,
+          prompt_texts: list[str], max_new: int, as_json: bool,
+          out: TextIO | None = None, err: TextIO | None = None) -> int:
+    from ftchat.debug import commands
+
+    out, err = out or sys.stdout, err or sys.stderr
+    if every < 1:
+        raise FtchatError("--every must be >= 1")
+    if not prompt_texts:
+        raise FtchatError("no prompts: give them as arguments or on stdin, one per line")
+    m, tok = _load(model, settings, env, err)
+    ids = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in prompt_texts]
+    a = commands.audit_run(m, ids, settings, every, max_new)
+    res = {"prompts": len(ids), "audits": a.audits, "bad_slots": len(a.bad), "bad": a.bad[:20]}
+    out.write((json.dumps(res) if as_json else
+               f"audits {a.audits}, bad slots {len(a.bad)}"
+               + "".join(f"\n  {b}" for b in a.bad[:20])) + "\n")
+    return 0 if not a.bad else 1
+
+
+def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
+          contexts: str, steps: int, rounds: int, as_json: bool,
+          out: TextIO | None = None, err: TextIO | None = None) -> int:
+    from ftchat.bench import bench_context
+
+    out, err = out or sys.stdout, err or sys.stderr
+    m, _ = _load(model, settings, env, err)
+    arm_list = [a.strip() for a in arms.split(";") if a.strip()]
+    res = {}
+    for ctx in (_tokens(c) for c in contexts.split(",")):
+        res[ctx] = bench_context(m, arm_list, ctx, settings, steps, rounds)
+        if not as_json:
+            table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens")
+            for col in ("arm", "tok/s", "vs off", "misses/token", "useful/layer", "precision"):
+                table.add_column(col)
+            for name, v in res[ctx].items():
+                table.add_row(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"),
+                              f"{v['misses_per_token']:.1f}", f"{v['useful_per_layer']:.2f}",
+                              _f(v["precision"], "{:.2f}"))
+            Console(file=out).print(table)
+    if as_json:
+        out.write(json.dumps(res) + "\n")
+    return 0
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _tokens(text: str) -> int:
+    t = text.strip().lower()
+    try:
+        return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    except ValueError:
+        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 32k") from None

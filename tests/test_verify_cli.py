@@ -1,0 +1,52 @@
+"""`ftchat verify` / `ftchat audit` / `ftchat bench` on the tiny model: clean runs exit 0; an
+injected fault (a missing join) makes verify exit 1."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from ftchat.cli import app
+from ftchat.offload.backend import OffloadExperts
+
+runner = CliRunner()
+
+
+def _verify(folder, *extra):
+    return runner.invoke(app, ["verify", str(folder), "--prompts", "3", "--max-new-tokens", "12",
+                               "--slots", "20", "--device", "cpu", "--json", *extra])
+
+
+def test_verify_clean_exits_zero(tiny_nvfp4):
+    res = _verify(tiny_nvfp4, "--mode", "bytes", "--audit-every", "4")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["prompts"] == 3 and out["mismatches"] == 0 and out["verifier_records"] == 0
+    assert out["audits"] > 0 and out["bad_slots"] == 0
+
+
+def test_verify_catches_a_missing_join(tiny_nvfp4, monkeypatch):
+    monkeypatch.setattr(OffloadExperts, "_join", lambda self, layer: None)
+    res = _verify(tiny_nvfp4)
+    assert res.exit_code == 1
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["verifier_records"] > 0
+
+
+def test_audit_and_bench_commands(tiny_bf16):
+    res = runner.invoke(app, ["audit", str(tiny_bf16), "--prompt", "hello", "--every", "4",
+                              "--slots", "20", "--prefetch", "on", "--max-new-tokens", "20",
+                              "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["audits"] == 19 // 4 and out["bad_slots"] == 0
+    res = runner.invoke(app, ["bench", str(tiny_bf16), "--arms", "resident;off;on:budget=4",
+                              "--context", "32", "--steps", "3", "--rounds", "1", "--slots", "20",
+                              "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])["32"]
+    assert set(out) == {"resident", "off", "on:budget=4"}
+    assert out["resident"]["misses_per_token"] == 0 and out["off"]["misses_per_token"] > 0
+    bad = runner.invoke(app, ["bench", str(tiny_bf16), "--arms", "sideways", "--device", "cpu"])
+    assert bad.exit_code != 0
