@@ -13,7 +13,8 @@ from ftchat.model.synth import write_checkpoint
 from ftchat.settings import Settings
 
 pytestmark = pytest.mark.gpu
-STEPS = 201
+STEPS = 201  # graph replay: 200 decode steps; eager runs 100 (device time is scarce)
+EAGER_STEPS = 101
 PROMPTS = {1: [[3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81]],
            2: [[3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81], [9, 120, 44, 2, 300]]}
 
@@ -69,18 +70,19 @@ def test_decoder_smoke_cuda_matches_cpu(folders):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap):
     folder = folders[fmt]
-    ref = resident(folder, bs, graph)
+    steps = STEPS if graph else EAGER_STEPS
+    ref = resident(folder, bs, graph, steps)
     for prefetch, policy in (("off", "lru"), ("on", "rule"), ("on", "lru")):
-        (tokens, logits), ex = offloaded(folder, bs, graph, slots=bs * 4 + 10, eviction=policy,
-                                         overlap=overlap, prefetch=prefetch)
+        (tokens, logits), ex = offloaded(folder, bs, graph, steps, slots=bs * 4 + 10,
+                                         eviction=policy, overlap=overlap, prefetch=prefetch)
         assert tokens == ref[0], (prefetch, policy)
         assert torch.equal(logits, ref[1]), (prefetch, policy)
         assert int(ex.maps.stats.misses.sum()) > 0
 
 
 def test_graph_replay_equals_eager(folders):
-    assert resident(folders["nvfp4-modelopt"], 2, True)[0] == resident(
-        folders["nvfp4-modelopt"], 2, False)[0]
+    f = folders["nvfp4-modelopt"]
+    assert resident(f, 2, True, EAGER_STEPS)[0] == resident(f, 2, False, EAGER_STEPS)[0]
 
 
 def _sleepy(ex, where: str, cycles: int = 2_000_000):
