@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ftchat.model.rows import RowLayout
 from ftchat.offload import cache as sc
+from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.expert_kernels import routed_experts_any
 from ftchat.offload.hooks import Hooks
@@ -140,7 +141,7 @@ class OffloadExperts:
         if cfg.prefetch == "measure" and layer > 0:
             self._measure(layer, ids)  # the maps are as they were when the candidates were made
         self._join(layer)
-        plan = self._run_compute(lambda: sc.ensure(self.maps, layer, ids, self.policy))
+        plan = self._run_compute(lambda: ensure_any(self.maps, layer, ids, self.policy))
         pplan = None
         if cfg.prefetch == "on" and nxt is not None:
             s.wait("compute", self.pred_done[nxt])
@@ -222,7 +223,7 @@ class OffloadExperts:
 
     def _install_prefetch(self, nxt: int, protect: Tensor) -> sc.PrefetchPlan:
         """prefetch_ensure(nxt) on the compute stream: the maps have one writer."""
-        return self._run_compute(lambda: sc.prefetch_ensure(
+        return self._run_compute(lambda: prefetch_ensure_any(
             self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect, self.policy))
 
     def _predict(self, nxt: int, x: Tensor) -> None:
