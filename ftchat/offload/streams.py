@@ -123,7 +123,7 @@ class CudaStreams:
         """Tensors made on the compute stream and read by work on `stream`: the caching allocator
         must not hand their memory out again before that work ran (eager mode; graphs keep
         static memory anyway)."""
-        if stream != "compute":
+        if stream != "compute" and not torch.cuda.is_current_stream_capturing():
             for t in tensors:
                 t.record_stream(self.side[stream])
 
