@@ -213,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`| head`): silence the final flush of stdout too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as e:  # a bug or a device error: one line, the traceback on request
+        if os.environ.get("FTCHAT_DEBUG"):
+            raise
+        first = (str(e).strip().splitlines() or [""])[0]
+        return _fail(f"internal error: {type(e).__name__}: {first} (FTCHAT_DEBUG=1 shows the "
+                     "traceback)", 1)
     return code if isinstance(code, int) else 0
 
 

@@ -50,3 +50,23 @@ def test_audit_and_bench_commands(tiny_bf16):
     assert out["resident"]["misses_per_token"] == 0 and out["off"]["misses_per_token"] > 0
     bad = runner.invoke(app, ["bench", str(tiny_bf16), "--arms", "sideways", "--device", "cpu"])
     assert bad.exit_code != 0
+
+
+def test_an_internal_error_is_one_line(monkeypatch, capsys, tiny_bf16):
+    import ftchat.ui.debug as dbg
+    from ftchat.cli import main
+
+    def boom(*a, **k):
+        raise RuntimeError("device fell over\nsecond line")
+
+    monkeypatch.setattr(dbg, "bench", boom)
+    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
+    assert main(["bench", str(tiny_bf16), "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: internal error: RuntimeError: device fell over (FTCHAT_DEBUG=1 shows "
+                   "the traceback)"]
+    monkeypatch.setenv("FTCHAT_DEBUG", "1")  # control: the traceback on request
+    import pytest
+
+    with pytest.raises(RuntimeError):
+        main(["bench", str(tiny_bf16), "--device", "cpu"])

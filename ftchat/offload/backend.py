@@ -110,6 +110,7 @@ class OffloadExperts:
         self.step = 0  # decode steps so far (debug records)
         self.staged: StagedExperts | None = None
         self.batch, self.tokens, self.started = 1, 0, None  # figures for stats()
+        self.live: list[tuple | None] = [None] * self.num_layers  # see begin()
 
     # ===== ExpertBackend =====
     def for_prefill(self) -> ResidentExperts | StagedExperts:
@@ -160,6 +161,10 @@ class OffloadExperts:
             self.prefetch_done[nxt] = s.record("prefetch")
         if not cfg.overlap:
             s.wait("compute", demand_done)
+        # NOTE: the side streams read these after Python is done with them; holding them until
+        # this layer's next step keeps the allocator (or a graph capture) from reusing the memory
+        # while a delayed copy or predictor still reads it.
+        self.live[layer] = (plan, pplan, x)
         return Pending(layer, ids, plan.slots, self.bank, demand_done, x)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
@@ -272,6 +277,7 @@ class StagedExperts:
         s.wait("copy", s.record("compute"))  # the previous layer's kernel has been issued
         s.hold("copy", src, dst, count)
         s.run("copy", lambda: copy_rows(self.host, self.staging, src, dst, count, self.programs))
+        self.live = (src, dst, count)  # read by the copy stream: keep until the next layer
         return Pending(layer, ids, rank[ids].to(torch.int32), self.staging, s.record("copy"))
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
