@@ -71,6 +71,10 @@ class Settings:
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
 
     def use_graph(self) -> bool:
+        """CUDA graphs on CUDA by default; the debug modes (verify, audit, routing record) read
+        Python-side step numbers, so they run eagerly."""
+        if self.verify or self.audit_every or self.record_routing:
+            return False
         return self.torch_device().type == "cuda" if self.graph is None else self.graph
 
 

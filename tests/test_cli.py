@@ -22,14 +22,6 @@ from ftchat.ui.text import one_line
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two OpenMP threads on two shared cores spin against each other
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def ref(tiny_nvfp4):
     return Session.open(tiny_nvfp4, Settings())

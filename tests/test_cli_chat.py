@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 from rich.console import Console
 
 from ftchat import engine
@@ -14,14 +13,6 @@ from ftchat.settings import Settings
 from ftchat.ui.chat import read_message, run_chat
 from ftchat.ui.panel import PanelWriter, Screen, figure_rows, summary_line
 from ftchat.ui.text import one_line, printable
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two OpenMP threads on two shared cores spin against each other
-    yield
-    torch.set_num_threads(n)
 
 
 def reader(lines):

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pexpect
 import pytest
-import torch
 
 from ftchat import engine
 from ftchat.model.synth import write_checkpoint
@@ -24,14 +23,6 @@ from ftchat.settings import Settings
 from ftchat.ui.text import printable
 
 FTCHAT = Path(sys.executable).parent / "ftchat"  # the console script of pyproject.toml
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # two OpenMP threads on two shared cores spin against each other
-    yield
-    torch.set_num_threads(n)
 
 
 def child_env(**extra: str) -> dict[str, str]:

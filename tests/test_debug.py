@@ -153,3 +153,39 @@ def test_audit_reports_the_last_writer(tiny_nvfp4):
     assert audit.bad, "the corrupted prefetched slot is found by the audit"
     w = audit.bad[0]["writer"]
     assert w["kind"] == "prefetch" and w["stream"] == "prefetch" and w["step"] == 2
+
+
+def _debug_ops_in_one_decode_step(folder, **settings) -> tuple[int, int]:
+    """(all aten ops, ops issued from ftchat/debug code) of one decode step: the CPU stand-in
+    for counting kernel launches."""
+    import traceback
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ftchat.engine import Decoder
+
+    class Count(TorchDispatchMode):
+        total = debug = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.total += 1
+            Count.debug += any("ftchat/debug/" in f.filename for f in traceback.extract_stack())
+            return func(*args, **(kwargs or {}))
+
+    m = model(folder)
+    ex = build_experts(m, Settings(slots=SLOTS, **settings))
+    dec = Decoder(m, ex, 1, 32)
+    n = len(PROMPTS[1][0])
+    tok = dec.prefill(0, torch.tensor(PROMPTS[1][0]), 0)[-1:].argmax(-1)
+    dec.step(tok, [n])
+    with Count():
+        dec.step(tok, [n + 1])
+    return Count.total, Count.debug
+
+
+def test_debug_modes_off_add_no_work(tiny_bf16):
+    total_off, debug_off = _debug_ops_in_one_decode_step(tiny_bf16, prefetch="on")
+    total_on, debug_on = _debug_ops_in_one_decode_step(tiny_bf16, prefetch="on", verify="bytes",
+                                                       audit_every=1)
+    assert debug_off == 0  # modes off: no op comes from the debug code
+    assert debug_on > 0 and total_on - total_off >= debug_on  # control: the counter sees it
