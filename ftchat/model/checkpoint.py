@@ -31,6 +31,7 @@ class Checkpoint:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        self._handles: dict[Path, object] = {}  # open safetensors files
         if not self.folder.is_dir():
             raise ModelError(f"{self.folder}: no such model folder")
         self.hf_config = read_config_json(self.folder)
@@ -40,7 +41,6 @@ class Checkpoint:
         if self.prefix is None:
             raise ModelError(f"{self.folder}: no embed_tokens.weight under {' or '.join(PREFIXES)}")
         self.format = self._detect_format()
-        self._handles: dict[Path, object] = {}
 
     # ===== files and tensors =====
     def _index(self) -> dict[str, Path]:
@@ -61,14 +61,12 @@ class Checkpoint:
         return {name: single for name in self._open(single).keys()}
 
     def _open(self, path: Path):
-        h = getattr(self, "_handles", {}).get(path)
+        h = self._handles.get(path)
         if h is None:
             try:
-                h = safe_open(str(path), framework="pt")
+                h = self._handles[path] = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError, ValueError) as e:
                 raise ModelError(f"{path}: unreadable safetensors file ({e})") from None
-            if hasattr(self, "_handles"):
-                self._handles[path] = h
         return h
 
     def has(self, name: str) -> bool:
@@ -123,8 +121,8 @@ class Checkpoint:
             name = self.prefix + "layers.0.mlp.experts.gate_up_proj"
         if name not in self.files:
             raise ModelError(f"{self.folder}: no routed expert weights for layer 0")
-        return self._open(self.files[name]).get_slice(name).get_dtype() == "F32" and torch.float32 \
-            or torch.bfloat16
+        stored = self._open(self.files[name]).get_slice(name).get_dtype()
+        return torch.float32 if stored == "F32" else torch.bfloat16  # rows keep fp32 exact
 
     # ===== dense weights =====
     def linear(self, name: str, shape: tuple[int, ...]) -> Tensor:
