@@ -45,11 +45,12 @@ def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = tor
     """Read a checkpoint folder: dense weights to `device`, expert rows to host memory."""
     ckpt = Checkpoint(folder)
     a = ckpt.args
-    dense = ckpt.dense(dtype, device, progress=(lambda i, n: progress("dense", i, n)) if progress else None)
+    dense = ckpt.dense(dtype, device, table_in_place_bytes=PLE_ON_DEVICE_BYTES,
+                       progress=(lambda i, n: progress("dense", i, n)) if progress else None)
     layout = ckpt.row_layout()
     rows = fill_host_rows(ckpt, layout, (lambda i, n: progress("experts", i, n)) if progress else None)
-    for name, t in dense.items():  # the n-gram table: on the device when small (else on host)
-        if "ngram_embedding" in name and t.numel() * t.element_size() <= PLE_ON_DEVICE_BYTES:
+    for name, t in dense.items():  # a small n-gram table goes to the device (graphs need it)
+        if "ngram_embedding" in name and isinstance(t, Tensor):
             dense[name] = t.to(device)
     return LoadedModel(a, Weights(dense, a.num_hidden_layers), layout, rows,
                        torch.device(device), dtype)
@@ -150,6 +151,11 @@ def _decode(m: LoadedModel, state: DecodeState, experts: ExpertBackend, tokens: 
     return logits[:, 0]
 
 
+def graph_safe(m: LoadedModel) -> bool:
+    """Whether the decode step can be captured: every weight it reads is a device tensor."""
+    return all(isinstance(t, Tensor) for t in m.weights.tensors.values())
+
+
 class Decoder:
     """Decode state of a batch of B sequences and its expert backend. With graph=True the whole
     decode step (cache logic and copies included) replays from one CUDA graph."""
@@ -159,6 +165,8 @@ class Decoder:
         self.m, self.experts = m, experts
         self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype)
         self.graph = None
+        if graph and not graph_safe(m):
+            graph = False  # the n-gram table is read from host files each step: eager only
         if graph:
             self.graph = DecodeGraph(
                 lambda tok, pos: _decode(m, self.state, experts, tok, pos, max_len), batch, m.device)

@@ -18,6 +18,7 @@ from torch import Tensor
 from ftchat.errors import ModelError
 from ftchat.model import nvfp4
 from ftchat.model.config import ModelArgs, read_config_json
+from ftchat.model.ngram_table import NGramTable
 from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs, expert_name, expert_specs
 
@@ -141,19 +142,18 @@ class Checkpoint:
         return self.get(name, shape)
 
     def dense(self, dtype: torch.dtype, device: str | torch.device = "cpu",
-              progress: Callable[[int, int], None] | None = None) -> dict[str, Tensor]:
-        """Every non-expert weight, cast to dtype (int64 buffers kept), PLE shards concatenated."""
+              progress: Callable[[int, int], None] | None = None,
+              table_in_place_bytes: int = 2 << 30) -> dict[str, Tensor]:
+        """Every non-expert weight, cast to dtype (int64 buffers kept). A PLE table larger than
+        table_in_place_bytes stays in its files (an NGramTable); a smaller one is concatenated."""
         a = self.args
         specs = dense_specs(a)
         out: dict[str, Tensor] = {}
-        shards: dict[str, list[Tensor]] = {}
+        shards: dict[str, list[str]] = {}
         for n, (name, spec) in enumerate(specs.items()):
             if ".ngram_embedding.shard_" in name:
-                t = self.get(name, spec.shape)
-                scale = name.rsplit(".shard_", 1)[0] + ".weight_scale"
-                if t.dtype == torch.float8_e4m3fn and self.has(scale):
-                    t = t.float() * self.get(scale).float()
-                shards.setdefault(name.split(".shard_")[0] + ".weight", []).append(t.to(dtype))
+                self.get_shape(name, spec.shape)
+                shards.setdefault(name.split(".shard_")[0] + ".weight", []).append(name)
                 continue
             if spec.init == "int64":
                 t = self.get(name, spec.shape)
@@ -165,10 +165,38 @@ class Checkpoint:
             if progress:
                 progress(n + 1, len(specs))
         for name, parts in shards.items():
-            out[name] = torch.cat(parts)  # the n-gram table stays on the host (ARCH 7.4)
+            out[name] = self._ngram_table(name, parts, dtype, table_in_place_bytes)
         out["lm_head.weight"] = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size)).to(
             device, dtype)
         return out
+
+    def get_shape(self, name: str, shape: tuple[int, ...]) -> None:
+        """Check a tensor's shape from the file header, without reading it."""
+        full = self._full(name)
+        path = self.files.get(full)
+        if path is None:
+            raise ModelError(f"{self.folder}: tensor {full} missing from the checkpoint")
+        got = tuple(self._open(path).get_slice(full).get_shape())
+        if got != tuple(shape):
+            raise ModelError(f"{path}: tensor {full} has shape {list(got)}, expected {list(shape)}")
+
+    def _ngram_table(self, name: str, parts: list[str], dtype: torch.dtype,
+                     in_place_bytes: int) -> Tensor | NGramTable:
+        """The n-gram table (host memory, ARCH 7.4): fp8 times its scalar scale, or float."""
+        scale_name = name[: -len(".weight")] + ".weight_scale"
+        scale = float(self.get(scale_name).float()) if self.has(scale_name) else None
+        rows = sum(self._open(self.files[self._full(p)]).get_slice(self._full(p)).get_shape()[0]
+                   for p in parts)
+        width = self._open(self.files[self._full(parts[0])]).get_slice(
+            self._full(parts[0])).get_shape()[1]
+        if rows * width * torch.empty((), dtype=dtype).element_size() > in_place_bytes:
+            return NGramTable([(self.files[self._full(p)], self._full(p)) for p in parts], scale,
+                              dtype)
+        loaded = []
+        for p in parts:
+            t = self.get(p)
+            loaded.append((t.float() * scale if scale is not None else t).to(dtype))
+        return torch.cat(loaded)
 
     # ===== routed experts =====
     def expert_rows(self, layer: int, layout: RowLayout) -> Tensor:
