@@ -61,3 +61,16 @@ def test_prefill_leaves_the_slot_cache_alone(tiny_bf16):
     assert all(torch.equal(x, y) for x, y in zip(before, after))
     again = list(generate(m, PROMPTS[1], 30, ex))
     assert [s.tokens for s in again] == reference(tiny_bf16, 1, 30)[0]
+
+
+def test_reset_empties_the_cache_in_place(tiny_bf16):
+    from ftchat.offload.cache import check_invariants
+
+    _, _, ex = run(tiny_bf16, 1, steps=10, slots=20)
+    ptrs = [t.data_ptr() for t in (ex.maps.slot_of, ex.maps.id_of, ex.maps.key, ex.maps.clock)]
+    assert int((ex.maps.id_of[:20] >= 0).sum()) > 0
+    ex.reset()
+    assert ptrs == [t.data_ptr() for t in (ex.maps.slot_of, ex.maps.id_of, ex.maps.key,
+                                           ex.maps.clock)]
+    assert int((ex.maps.id_of[:20] >= 0).sum()) == 0 and int(ex.maps.clock) == 0
+    assert int(ex.maps.stats.misses.sum()) == 0 and check_invariants(ex.maps) == []

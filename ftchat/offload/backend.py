@@ -15,10 +15,9 @@ Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import time
 
 import torch
 from torch import Tensor
@@ -125,11 +124,7 @@ class OffloadExperts:
 
     def reset(self) -> None:
         """Empty the cache in place (after CUDA-graph warm-up); addresses are kept."""
-        m = self.maps
-        for t, v in ((m.slot_of, -1), (m.id_of, -1), (m.key, 0), (m.clock, 0)):
-            t.fill_(v)
-        for t in vars(m.stats).values():
-            t.zero_()
+        sc.clear(self.maps)
         self.measured.zero_()
         self.cands.zero_()
 
@@ -201,13 +196,11 @@ class OffloadExperts:
             selected, useful, missed = self.measured.sum(0).tolist()
             out.update(useful_prefetches=useful, precision=useful / selected if selected else None,
                        covered_misses=useful / missed if missed else None)
-        for name in ("report", "bad"):  # debug hooks: verifier records, audit bad slots
-            for h in getattr(self.hooks, "hooks", [self.hooks]):
-                val = getattr(h, name, None)
-                if name == "report" and callable(val):
-                    out["verify_records"] = len(val())
-                elif name == "bad" and isinstance(val, list):
-                    out["audit_bad_slots"], out["audits"] = len(val), h.audits
+        for h in getattr(self.hooks, "hooks", [self.hooks]):  # debug figures, when on
+            if hasattr(h, "report"):
+                out["verify_records"] = len(h.report())
+            if hasattr(h, "audits"):
+                out["audits"], out["audit_bad_slots"] = h.audits, len(h.bad)
         return out
 
     def close(self) -> None:

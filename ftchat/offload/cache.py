@@ -134,6 +134,18 @@ def _write(
         target.index_put_((index,), values, accumulate=add)
 
 
+def clear(maps: SlotMaps) -> None:
+    """Empty the cache in place, addresses kept (after a CUDA-graph warm-up ran real steps)."""
+    for name, value in (("slot_of", -1), ("id_of", -1), ("key", EMPTY_BASE), ("clock", 0)):
+        if maps.on_write is not None:
+            maps.on_write(name)
+        getattr(maps, name).fill_(value)
+    for name, t in vars(maps.stats).items():
+        if maps.on_write is not None:
+            maps.on_write(f"stats.{name}")
+        t.zero_()
+
+
 def _first_occurrence(ids: Tensor) -> Tensor:
     """[X] bool: True where ids[i] differs from every earlier entry (dedup without a sync)."""
     pos = torch.arange(ids.shape[0], device=ids.device)
