@@ -108,10 +108,9 @@ def debug_hooks(settings: Settings, num_layers: int, num_slots: int, device,
                 routers: list[Tensor]) -> Hooks | None:
     """The verifier, the slot audit and the routing recorder the settings ask for (None when
     all are off)."""
-    from ftchat.debug.routing import RoutingRecorder
-
     from ftchat.debug import HookChain
     from ftchat.debug.audit import SlotAudit
+    from ftchat.debug.routing import RoutingRecorder
     from ftchat.debug.verify import Verifier
 
     hooks: list[Hooks] = []
