@@ -171,10 +171,12 @@ class Decoder:
                 lambda tok, pos: _decode(m, self.state, experts, tok, pos, max_len), batch, m.device)
             self.reset()  # capture ran the step twice: start clean
 
-    def reset(self) -> None:
+    def reset(self, experts: bool = True) -> None:
+        """Clear the decode state for new sequences; with experts=True also empty the expert
+        cache (after graph capture, whose warm-up ran real steps)."""
         eos = self.m.args.eos_token_id or 0
         self.state.reset(slice(0, self.state.ple_ctx.shape[0]), eos)
-        if hasattr(self.experts, "reset"):
+        if experts and hasattr(self.experts, "reset"):
             self.experts.reset()
 
     def prefill(self, row: int, ids: Tensor, start: int) -> Tensor:

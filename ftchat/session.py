@@ -263,7 +263,7 @@ class Session:
             dec = self._batch[batch] = engine.Decoder(
                 self.model, self.experts, batch, self.max_len, graph=self.settings.use_graph())
         else:
-            dec.reset()
+            dec.reset(experts=False)  # a warm expert cache stays warm across prompt chunks
         return dec
 
     def _reply(self, dec: engine.Decoder, turn: list[int]) -> Iterator[StepRecord]:

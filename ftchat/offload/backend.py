@@ -125,6 +125,7 @@ class OffloadExperts:
     def reset(self) -> None:
         """Empty the cache in place (after CUDA-graph warm-up); addresses are kept."""
         sc.clear(self.maps)
+        self.tokens, self.started = 0, None
         self.measured.zero_()
         self.cands.zero_()
 
