@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ftchat.engine import resident_backend
 from tests.offload_util import STEPS, InvariantChecker, model, reference, run
 
 
@@ -74,3 +75,21 @@ def test_reset_empties_the_cache_in_place(tiny_bf16):
                                            ex.maps.clock)]
     assert int((ex.maps.id_of[:20] >= 0).sum()) == 0 and int(ex.maps.clock) == 0
     assert int(ex.maps.stats.misses.sum()) == 0 and check_invariants(ex.maps) == []
+
+
+def test_staged_prefill_equals_resident(tiny_nvfp4):
+    """The CUDA prefill path (routed experts copied into a staging area, routed ids first) run
+    on the CPU with the stream emulation: the same logits as reading the host rows directly."""
+    from ftchat.engine import prefill
+    from ftchat.model.state import DecodeState
+    from ftchat.offload.backend import StagedExperts
+    from ftchat.offload.streams import CpuStreams
+
+    m = model(tiny_nvfp4)
+    ids = torch.tensor([3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81, 200, 1, 9])
+    staged = StagedExperts(m.host_rows, m.layout, m.args.num_experts, m.device, CpuStreams(), 8)
+    outs = []
+    for backend in (staged, resident_backend(m)):
+        st = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
+        outs.append(prefill(m, st, 0, ids, 0, backend))
+    assert torch.equal(outs[0], outs[1])
