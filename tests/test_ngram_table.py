@@ -45,7 +45,6 @@ def test_fp8_table_with_scale(tiny_bf16, tmp_path):
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     prefix = "model.language_model." + NAME[: -len(".weight")]
     scale = torch.tensor(0.0625, dtype=torch.bfloat16)
-    expected = []
     for f in sorted(set(index["weight_map"].values())):
         tensors = load_file(str(folder / f))
         changed = False

@@ -13,7 +13,6 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 from ftchat.debug import HookChain
 from ftchat.debug.audit import SlotAudit

@@ -93,7 +93,7 @@ def layer_specs(i: int, a: ModelArgs) -> dict[str, TensorSpec]:
             s[f"{e}.ple_embedding.ngram_embedding.shard_{j}.weight"] = TensorSpec(
                 (shard_rows, a.ple_embed_dim // nh), EMBED)
     m = f"{p}.mlp"
-    I, Is = a.moe_intermediate_size, a.shared_expert_intermediate_size
+    Is = a.shared_expert_intermediate_size
     s.update({
         f"{m}.gate.weight": TensorSpec((a.num_experts, D), LINEAR),
         f"{m}.shared_expert.gate_proj.weight": TensorSpec((Is, D), LINEAR, True),
