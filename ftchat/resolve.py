@@ -1,7 +1,9 @@
 """MODEL argument -> a local checkpoint folder: a path, a Hugging Face repo id, or the demo model.
 
-The demo model is written once into the user cache folder, so a fresh install runs end to end
-with no download. `default_model_path` is the one place that decides what it is.
+With no MODEL, ftchat runs the demo model: the trained one shipped inside the package when it is
+there (`ftchat/models/demo`), else a tiny random-weight checkpoint written once into the user
+cache folder, so a fresh install runs end to end with no download. `default_model_path` is the
+one place that decides which.
 """
 
 from __future__ import annotations
@@ -17,8 +19,12 @@ from ftchat.errors import FtchatError, ModelError
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DEMO_NAME = "demo-tiny"
-DEMO_NOTICE = ("demo model: a tiny synthetic checkpoint with RANDOM weights, so replies are "
-               "noise; pass MODEL (a folder or a Hugging Face repo id) to chat with a real model")
+SHIPPED_DEMO = Path(__file__).parent / "models" / "demo"
+RANDOM_NOTICE = ("demo model: a tiny synthetic checkpoint with RANDOM weights, so replies are "
+                 "noise; pass MODEL (a folder or a Hugging Face repo id) to chat with a real model")
+TRAINED_NOTICE = ("demo model: a small qwen4_exp trained for minutes on Python sources and a few "
+                  "chat examples, so expect code-flavoured text, not reliable answers; pass MODEL "
+                  "(a folder or a Hugging Face repo id) to chat with a real model")
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,18 @@ def cache_dir(env: Mapping[str, str]) -> Path:
 
 
 def default_model_path(env: Mapping[str, str]) -> Path:
-    """The embedded default model, written on first use (a later release ships a trained one)."""
+    """The demo model: the shipped trained one, else the random one (written on first use)."""
+    if (SHIPPED_DEMO / "config.json").is_file():
+        return SHIPPED_DEMO
     path = cache_dir(env) / DEMO_NAME
     if not (path / "config.json").is_file():
         _write_demo(path)
     return path
+
+
+def demo_notice(path: Path) -> str:
+    """The banner line for the demo model at `path`."""
+    return TRAINED_NOTICE if path == SHIPPED_DEMO else RANDOM_NOTICE
 
 
 def _write_demo(path: Path) -> None:

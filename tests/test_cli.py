@@ -107,6 +107,7 @@ def test_empty_input_does_nothing(tiny_nvfp4):
 
 
 def test_demo_model_is_written_once_and_announced(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr("ftchat.resolve.SHIPPED_DEMO", tmp_path / "not-shipped")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     code, out, err = _main(["run", "--max-new-tokens", "3"], "hello\n", capsys, monkeypatch)
     assert code == 0 and len(out.splitlines()) == 1
@@ -115,6 +116,18 @@ def test_demo_model_is_written_once_and_announced(tmp_path, monkeypatch, capsys)
     stamp = config.stat().st_mtime_ns
     assert _main(["run", "--max-new-tokens", "3"], "hello\n", capsys, monkeypatch)[1] == out
     assert config.stat().st_mtime_ns == stamp
+
+
+def test_shipped_trained_demo_is_the_default_when_present(tiny_nvfp4, tmp_path, monkeypatch,
+                                                          capsys, ref):
+    monkeypatch.setattr("ftchat.resolve.SHIPPED_DEMO", tiny_nvfp4)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    code, out, err = _main(["run", "--max-new-tokens", "4", "--json"], "hello\n", capsys,
+                           monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["tokens"] == reply_ids(ref, user("hello"), 4)
+    assert "trained" in err and "RANDOM" not in err
+    assert not (tmp_path / "ftchat").exists()  # nothing written to the cache
 
 
 def test_repo_id_from_the_hub_cache_offline(tiny_nvfp4, tmp_path, monkeypatch, capsys, ref):

@@ -66,3 +66,45 @@ def test_smoke_training_moves_the_weights(tmp_path):
         saved = f.get_tensor("lm_head.weight").float()
     assert saved.shape == init.shape
     assert (saved - init.bfloat16().float()).abs().max() > 1e-3
+
+
+def test_smoke_run_pauses_and_resumes_from_its_state_folder(tmp_path, capsys):
+    """--state/--run-minutes: each run trains at least one step, saves, exits 3; the last one
+    finishes the --steps budget from where the previous stopped and exports a checked model."""
+    out, state = tmp_path / "demo", tmp_path / "state"
+    args = ["--smoke", "--out", str(out), "--corpus", str(tmp_path), "--state", str(state),
+            "--run-minutes", "1e-6"]
+    assert train_demo.main(args) == 3  # steps 0 -> 1
+    assert (state / "train.pt").exists() and not out.exists()
+    assert train_demo.main(args) == 3  # 1 -> 2
+    capsys.readouterr()
+    assert train_demo.main(args) == 0  # 2 -> 3 = --steps: finish, export, check
+    log = capsys.readouterr().out
+    assert "[train] resumed at step 2" in log and "[data] from" in log
+    assert "[done] OK" in log
+    assert torch.load(state / "train.pt", weights_only=False)["step"] == 2
+
+
+def test_batched_indexer_equals_the_reference_selection():
+    """The training-time indexer (batched) selects exactly the reference's tokens."""
+    from transformers import Qwen4ExpTextConfig
+    from transformers.models.qwen4_exp import modeling_qwen4_exp as hf
+
+    a = train_demo.parse_args(["--smoke", "--out", "unused"])
+    cfg = train_demo.text_config(a, 7)
+    cfg.update(indexer_budget=8, indexer_compress_ratio=4, hidden_size=32, head_dim=16)
+    conf = Qwen4ExpTextConfig(**cfg)
+    torch.manual_seed(0)
+    ix = hf.Qwen4ExpTextQSAIndexer(conf, 3)
+    rope = hf.Qwen4ExpTextRotaryEmbedding(conf)
+    B, T = 2, 37  # a tail block at the end; more blocks than the budget keeps
+    x = torch.randn(B, T, 32)
+    pe = rope(x, torch.arange(T)[None].expand(B, T))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()[None, None].expand(B, 1, T, T)
+    want = ix(x, pe, causal, None)
+    with train_demo.batched_indexer():
+        got = ix(x, pe, causal, None)
+    assert hf.Qwen4ExpTextQSAIndexer.forward is not train_demo.batched_indexer_forward
+    assert want.shape == got.shape == (B, 1, T, T)
+    assert torch.equal(want, got)
+    assert not torch.equal(want, causal)  # sparse: the control that selection happened

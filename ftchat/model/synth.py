@@ -108,10 +108,11 @@ class _ShardWriter:
         self.total = 0
 
     def add(self, name: str, t: Tensor) -> None:
-        self.pending[name] = t.contiguous()
-        self.size += t.numel() * t.element_size()
-        if self.size >= self.max_bytes:
+        nbytes = t.numel() * t.element_size()
+        if self.size + nbytes > self.max_bytes:  # a shard's payload stays within max_bytes
             self.flush()
+        self.pending[name] = t.contiguous()
+        self.size += nbytes
 
     def flush(self) -> None:
         if not self.pending:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftchat.errors import FtchatError
-from ftchat.resolve import DEMO_NOTICE, resolve_model
+from ftchat.resolve import demo_notice, resolve_model
 from ftchat.settings import Settings
 from ftchat.ui.progress import progress_bar
 
@@ -22,7 +22,7 @@ def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: Te
 
     resolved = resolve_model(model, env)
     if resolved.demo:
-        print(DEMO_NOTICE, file=err)
+        print(demo_notice, file=err)
     tok = Tokenizer.from_folder(resolved.path)
     with progress_bar(err, "loading") as bar:
         m = load_model(resolved.path, str(settings.torch_device()), settings.torch_dtype(), bar)

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import TextIO
 
 from ftchat.errors import FtchatError
-from ftchat.resolve import DEMO_NOTICE, ResolvedModel, resolve_model
+from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.batch import Job, parse_jobs, run_batch
@@ -45,7 +45,7 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
 
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen) -> Session:
     if resolved.demo:
-        screen.note(DEMO_NOTICE)
+        screen.note(demo_notice(resolved.path))
     t = time.perf_counter()
     with progress_bar(screen.err, "loading") as progress:
         session = Session.open(resolved.path, settings, progress)
