@@ -93,3 +93,42 @@ def test_staged_prefill_equals_resident(tiny_nvfp4):
         st = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
         outs.append(prefill(m, st, 0, ids, 0, backend))
     assert torch.equal(outs[0], outs[1])
+
+
+def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
+    """Experts the decode cache holds are copied into staging from their slots, not the host:
+    with the host rows of every cached expert corrupted, prefill is still exact; corrupting one
+    routed expert the cache does not hold changes the logits (the control)."""
+    from ftchat.engine import build_experts, generate, prefill
+    from ftchat.model.state import DecodeState
+    from ftchat.offload.backend import StagedExperts
+    from ftchat.offload.streams import CpuStreams
+    from ftchat.settings import Settings
+
+    m = model(tiny_nvfp4)
+    ex = build_experts(m, Settings(slots=24, batch_size=1))
+    list(generate(m, [[3, 17, 99, 4, 250]], 12, ex))  # fill the cache
+    ids = torch.tensor([3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81, 200, 1, 9])
+    ref_state = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
+    ref = prefill(m, ref_state, 0, ids, 0, resident_backend(m))
+    cached = (ex.maps.slot_of[:-1] >= 0).nonzero().flatten()  # global ids = layer * E + e
+    assert 0 < len(cached) <= 24
+
+    def staged_logits(host: torch.Tensor) -> tuple[torch.Tensor, StagedExperts]:
+        staged = StagedExperts(host, m.layout, m.args.num_experts, m.device, CpuStreams(), 8,
+                               (ex.maps.slot_of, ex.bank))
+        st = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
+        return prefill(m, st, 0, ids, 0, staged), staged
+
+    host = m.host_rows.clone()
+    host[cached] ^= 0x5A  # every cached expert's host row is garbage now
+    logits, staged = staged_logits(host)
+    assert torch.equal(logits, ref)
+    assert int(staged.rows_from_slots) > 0 and int(staged.rows_from_host) > 0
+
+    # control: one routed expert the cache does not hold, corrupted on the host
+    E, layers = m.args.num_experts, m.args.num_hidden_layers
+    absent = [g for g in range(E * layers) if g not in set(cached.tolist())]
+    bad = host.clone()
+    bad[absent] ^= 0x5A
+    assert not torch.equal(staged_logits(bad)[0], ref)

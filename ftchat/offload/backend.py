@@ -9,7 +9,7 @@ One MoE block of layer L (DESIGN.md section 3), in program order:
   compute:   shared expert (overlaps the copies), wait demand_done(L), routed expert kernel
 Every slot-map write (ensure, prefetch_ensure) is issued on the compute stream.
 Prefill runs through `for_prefill()`: it reads its experts from the host rows (CPU) or a staging
-area and leaves the slot cache untouched.
+area (CUDA: host rows, and slots the cache holds) and leaves the slot cache untouched.
 Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
 """
 
@@ -113,13 +113,14 @@ class OffloadExperts:
 
     # ===== ExpertBackend =====
     def for_prefill(self) -> ResidentExperts | StagedExperts:
-        """Prefill reads its experts from the host rows (CPU) or a staging area (CUDA) and
-        leaves the slot cache untouched."""
+        """Prefill reads its experts from the host rows (CPU) or a staging area (CUDA, filled
+        from the host and from the slots it finds resident) and leaves the slot cache untouched."""
         if self.device.type == "cpu":
             return ResidentExperts(self.host, self.layout, self.num_experts)
         if self.staged is None:
             self.staged = StagedExperts(self.host, self.layout, self.num_experts, self.device,
-                                        self.streams, self.cfg.copy_programs)
+                                        self.streams, self.cfg.copy_programs,
+                                        (self.maps.slot_of, self.bank))
         return self.staged
 
     def reset(self) -> None:
@@ -250,29 +251,56 @@ class OffloadExperts:
 
 class StagedExperts:
     """Prefill on CUDA: each layer's routed experts are copied into a staging area [E+1, R]
-    separate from the slot cache (routed ids first, ascending), then read from there."""
+    separate from the slot cache, then read from there. Experts the slot cache holds are copied
+    from their slots (device to device) instead of crossing PCIe again; the maps are only read.
+
+    Staging order: experts fetched from the host first, then those copied from slots, each
+    group by ascending id. rows_from_host / rows_from_slots count rows (device counters)."""
 
     def __init__(self, host: Tensor, layout: RowLayout, num_experts: int, device: torch.device,
-                 streams: CpuStreams | CudaStreams, programs: int):
+                 streams: CpuStreams | CudaStreams, programs: int,
+                 slots: tuple[Tensor, Tensor] | None = None):
         self.host, self.layout, self.E, self.streams, self.programs = (
             host, layout, num_experts, streams, programs)
+        # (slot_of [N+1], bank [S+1, R]) of the decode cache, or None: every row from the host
+        self.slots = slots
         self.staging = torch.empty(num_experts + 1, layout.nbytes, dtype=torch.uint8, device=device)
+        self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)
+        self.rows_from_slots = torch.zeros((), dtype=torch.int64, device=device)
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
-        E, s = self.E, self.streams
-        routed = torch.zeros(E, dtype=torch.bool, device=ids.device)
+        E, s, dev = self.E, self.streams, ids.device
+        routed = torch.zeros(E, dtype=torch.bool, device=dev)
         routed[ids.flatten()] = True
-        order = torch.sort((~routed).to(torch.uint8), stable=True).indices  # routed ids first
-        rank = torch.empty_like(order).scatter_(0, order, torch.arange(E, device=ids.device))
-        count = routed.sum().reshape(1).to(torch.int32)
-        live = torch.arange(E, device=ids.device) < count
-        src = torch.where(live, order + layer * E, self.host.shape[0])
-        dst = torch.where(live, torch.arange(E, device=ids.device), E).to(torch.int32)
+        if self.slots is None:
+            slot = torch.full((E,), -1, dtype=torch.int32, device=dev)
+        else:  # read only; every copy into these slots was joined before the step ended
+            slot = self.slots[0][layer * E:(layer + 1) * E]  # [E] slot of expert e, -1 absent
+        cached = routed & (slot >= 0)
+        group = torch.where(routed & ~cached, 0, torch.where(cached, 1, 2)).to(torch.uint8)
+        order = torch.sort(group, stable=True).indices  # [E] host-fetched, from slots, the rest
+        rank = torch.empty_like(order).scatter_(0, order, torch.arange(E, device=dev))
+        n_host = (group == 0).sum().reshape(1)
+        n_slot = cached.sum().reshape(1)
+        pos = torch.arange(E, device=dev)
+        # host plan: entries [0, n_host) of `order`; slot plan: entries [n_host, n_host + n_slot)
+        host_src = torch.where(pos < n_host, order + layer * E, self.host.shape[0])
+        at = (pos + n_host).clamp(max=E - 1)  # [E] staging position of slot-plan entry i
+        slot_src = slot[order[at]].long().clamp(min=0)
         s.wait("copy", s.record("compute"))  # the previous layer's kernel has been issued
-        s.hold("copy", src, dst, count)
-        s.run("copy", lambda: copy_rows(self.host, self.staging, src, dst, count, self.programs))
-        self.live = (src, dst, count)  # read by the copy stream: keep until the next layer
+        plans = (host_src, pos.to(torch.int32), n_host.to(torch.int32), slot_src,
+                 at.to(torch.int32), n_slot.to(torch.int32))
+        s.hold("copy", *plans)
+        s.run("copy", lambda: self._copy(*plans))
+        self.rows_from_host += n_host[0]
+        self.rows_from_slots += n_slot[0]
+        self.live = plans  # read by the copy stream: keep until the next layer
         return Pending(layer, ids, rank[ids].to(torch.int32), self.staging, s.record("copy"))
+
+    def _copy(self, host_src, host_dst, n_host, slot_src, slot_dst, n_slot) -> None:
+        copy_rows(self.host, self.staging, host_src, host_dst, n_host, self.programs)
+        if self.slots is not None:
+            copy_rows(self.slots[1], self.staging, slot_src, slot_dst, n_slot, self.programs)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
         self.streams.wait("compute", p.ready)

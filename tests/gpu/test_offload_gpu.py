@@ -142,3 +142,18 @@ def test_eviction_of_a_slot_whose_prefetch_copy_is_in_flight(folders):
     (_, bad_logits), _ = offloaded(folder, 1, False, steps=41, slots=8, prefetch="on",
                                    budget_gdn=4, budget_attn=4, patch=lambda ex: setup(ex, False))
     assert not torch.equal(bad_logits, ref[1]), "without the join the race must show"
+
+
+def test_prefill_with_a_warm_cache_reads_cached_experts_from_slots(folders):
+    """A second prompt's prefill (the CUDA staging path) copies the experts the decode cache
+    holds from their slots; its output still equals the all-resident one."""
+    folder = folders["nvfp4-modelopt"]
+    m = model(folder)
+    ex = build_experts(m, Settings(batch_size=1, slots=24, prefetch="on"))
+    list(generate(m, PROMPTS[2][1:], 20, ex, graph=False))  # warm the cache
+    staged = ex.for_prefill()
+    before = int(staged.rows_from_slots)
+    tokens, logits = tokens_and_logits(generate(m, PROMPTS[1], 41, ex, graph=False))
+    ref = resident(folder, 1, False, 41)
+    assert tokens == ref[0] and torch.equal(logits, ref[1])
+    assert int(staged.rows_from_slots) > before
