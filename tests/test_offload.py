@@ -125,6 +125,10 @@ def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
     logits, staged = staged_logits(host)
     assert torch.equal(logits, ref)
     assert int(staged.rows_from_slots) > 0 and int(staged.rows_from_host) > 0
+    ex.staged = staged  # what for_prefill() keeps on CUDA: its counters reach stats()
+    st = ex.stats()
+    assert st["prefill_rows_from_slots"] == int(staged.rows_from_slots)
+    assert st["prefill_copy_gb"] == int(staged.rows_from_host) * m.layout.nbytes / 1e9
 
     # control: one routed expert the cache does not hold, corrupted on the host
     E, layers = m.args.num_experts, m.args.num_hidden_layers

@@ -191,6 +191,9 @@ class OffloadExperts:
                "hit_rate": hits / (hits + misses) if hits + misses else None,
                "copy_gb": copied / 1e9,
                "copy_gbps": copied / 1e9 / elapsed if elapsed > 0 else None}  # average link use
+        if self.staged is not None:  # prefill (CUDA): rows copied from the host vs from slots
+            out.update(prefill_copy_gb=int(self.staged.rows_from_host) * self.layout.nbytes / 1e9,
+                       prefill_rows_from_slots=int(self.staged.rows_from_slots))
         if self.cfg.prefetch == "on":
             out.update(prefetch_copies=installs, useful_prefetches=useful,
                        precision=useful / installs if installs else None)
