@@ -38,8 +38,7 @@ from torch import Tensor
 
 from ftchat.errors import FtchatError
 from ftchat.offload import cache as sc
-from ftchat.offload.policy import (EMPTY_BASE, HIT_BITS, MAX_FREQ_CAP, POLICIES, RES_BASE,
-                                   EvictionPolicy)
+from ftchat.offload.policy import EMPTY_BASE, POLICIES, EvictionPolicy
 
 # Quoted figures (issue 7), not computed here: (model, figure, value, fraction of experts cached).
 PUBLISHED = [
@@ -237,11 +236,11 @@ def adjacent_reuse(routed: Tensor, doc_start: Tensor) -> Tensor:
 
 
 class SlotCacheSim:
-    """Pure-Python replica of ftchat.offload.cache's demand path (ensure) and counting mode
-    (prefetch_measure) with batch 1 and no prefetch installs: the same keys (ftchat.offload.policy:
-    resident band, score = clock + (h-1) * W), the clock ticking once per ensure, victims the
-    lowest keys among slots not routed in the call, ties to the lower slot. 50-100x faster than
-    the torch ops on the CPU; `crosscheck` compares it with ftchat's own code."""
+    """A fast stand-in for ftchat.offload.cache's demand path (ensure) and counting mode
+    (prefetch_measure) with batch 1 and no prefetch installs: keys from ftchat's own
+    `EvictionPolicy.stamp`, the clock ticking once per ensure, victims the lowest keys among
+    slots not routed in the call, ties to the lower slot, kept in a heap. Much faster than the
+    torch-op maps on the CPU; `crosscheck` compares it with ftchat's own code at every run."""
 
     def __init__(self, num_layers: int, num_experts: int, num_slots: int, policy: EvictionPolicy):
         self.L, self.E, self.S, self.policy = num_layers, num_experts, num_slots, policy
@@ -269,18 +268,18 @@ class SlotCacheSim:
                 missing.append(base + e)
             else:
                 used.append(s)
-        # policy.stamp: key = RES_BASE + (clock + (h-1) * W) << HIT_BITS | h, h = capped uses
-        first = RES_BASE + (self.clock << HIT_BITS) + 1  # the key of a first use (h = 1)
-        cap, w = self.policy.freq_cap, self.policy.freq_weight(S, self.L, len(ids))
-        for s in used:
-            old = order[s] // S
-            h = min((old & MAX_FREQ_CAP if old >= RES_BASE else 0) + 1, cap)
-            self._set(s, first + ((h - 1) * w << HIT_BITS) + h - 1)
-        for g, s in zip(missing, self._victims(len(missing), used)):
+        # the keys come from ftchat's own policy: hits restamped, misses stamped from empty
+        w = self.policy.freq_weight(S, self.L, len(ids))
+        old = torch.tensor([order[s] // S for s in used] + [EMPTY_BASE] * len(missing))
+        keys = self.policy.stamp(old, torch.tensor(self.clock), w).tolist()
+        victims = self._victims(len(missing), used)  # chosen before any key changes
+        for s, key in zip(used, keys):
+            self._set(s, key)
+        for g, s, key in zip(missing, victims, keys[len(used):]):
             if self.id_of[s] >= 0:
                 del slot_of[self.id_of[s]]
             slot_of[g], self.id_of[s] = s, g
-            self._set(s, first)
+            self._set(s, key)
         self.hits[layer] += len(used)
         self.misses[layer] += len(missing)
         return len(used)

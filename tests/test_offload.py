@@ -80,19 +80,23 @@ def test_reset_empties_the_cache_in_place(tiny_bf16):
 def test_staged_prefill_equals_resident(tiny_nvfp4):
     """The CUDA prefill path (routed experts copied into a staging area, routed ids first) run
     on the CPU with the stream emulation: the same logits as reading the host rows directly."""
-    from ftchat.engine import prefill
+    from ftchat.engine import build_experts, prefill
     from ftchat.model.state import DecodeState
     from ftchat.offload.backend import StagedExperts
     from ftchat.offload.streams import CpuStreams
+    from ftchat.settings import Settings
 
     m = model(tiny_nvfp4)
     ids = torch.tensor([3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81, 200, 1, 9])
-    staged = StagedExperts(m.host_rows, m.layout, m.args.num_experts, m.device, CpuStreams(), 8)
+    empty = build_experts(m, Settings(slots=24, batch_size=1))  # every row from the host
+    staged = StagedExperts(m.host_rows, m.layout, m.args.num_experts, m.device, CpuStreams(), 8,
+                           (empty.maps.slot_of, empty.bank))
     outs = []
     for backend in (staged, resident_backend(m)):
         st = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
         outs.append(prefill(m, st, 0, ids, 0, backend))
     assert torch.equal(outs[0], outs[1])
+    assert int(staged.rows_from_slots) == 0 and int(staged.rows_from_host) > 0
 
 
 def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):

@@ -261,12 +261,10 @@ class StagedExperts:
     group by ascending id. rows_from_host / rows_from_slots count rows (device counters)."""
 
     def __init__(self, host: Tensor, layout: RowLayout, num_experts: int, device: torch.device,
-                 streams: CpuStreams | CudaStreams, programs: int,
-                 slots: tuple[Tensor, Tensor] | None = None):
+                 streams: CpuStreams | CudaStreams, programs: int, slots: tuple[Tensor, Tensor]):
         self.host, self.layout, self.E, self.streams, self.programs = (
             host, layout, num_experts, streams, programs)
-        # (slot_of [N+1], bank [S+1, R]) of the decode cache, or None: every row from the host
-        self.slots = slots
+        self.slot_of, self.bank = slots  # the decode cache's [N+1] map and [S+1, R] bank: read only
         self.staging = torch.empty(num_experts + 1, layout.nbytes, dtype=torch.uint8, device=device)
         self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)
         self.rows_from_slots = torch.zeros((), dtype=torch.int64, device=device)
@@ -275,10 +273,8 @@ class StagedExperts:
         E, s, dev = self.E, self.streams, ids.device
         routed = torch.zeros(E, dtype=torch.bool, device=dev)
         routed[ids.flatten()] = True
-        if self.slots is None:
-            slot = torch.full((E,), -1, dtype=torch.int32, device=dev)
-        else:  # read only; every copy into these slots was joined before the step ended
-            slot = self.slots[0][layer * E:(layer + 1) * E]  # [E] slot of expert e, -1 absent
+        # every copy into the slots was joined before the last decode step ended
+        slot = self.slot_of[layer * E:(layer + 1) * E]  # [E] slot of expert e, -1 absent
         cached = routed & (slot >= 0)
         group = torch.where(routed & ~cached, 0, torch.where(cached, 1, 2)).to(torch.uint8)
         order = torch.sort(group, stable=True).indices  # [E] host-fetched, from slots, the rest
@@ -302,8 +298,7 @@ class StagedExperts:
 
     def _copy(self, host_src, host_dst, n_host, slot_src, slot_dst, n_slot) -> None:
         copy_rows(self.host, self.staging, host_src, host_dst, n_host, self.programs)
-        if self.slots is not None:
-            copy_rows(self.slots[1], self.staging, slot_src, slot_dst, n_slot, self.programs)
+        copy_rows(self.bank, self.staging, slot_src, slot_dst, n_slot, self.programs)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
         self.streams.wait("compute", p.ready)
