@@ -144,10 +144,8 @@ class OffloadExperts:
         if cfg.prefetch == "on" and nxt is not None:
             s.wait("compute", self.pred_done[nxt])
             pplan = self._install_prefetch(nxt, plan.slots)
-        ready = s.record("compute")
-        s.wait("copy", ready)
+        s.hand_off("copy", plan.src, plan.dst, plan.count)
         self.hooks.before_copy(self, plan, layer, "demand")
-        s.hold("copy", plan.src, plan.dst, plan.count)
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
         demand_done = s.record("copy")
         if pplan is not None:
@@ -232,8 +230,7 @@ class OffloadExperts:
     def _predict(self, nxt: int, x: Tensor) -> None:
         """Layer nxt's router on this layer's router input, on the predictor stream."""
         s = self.streams
-        s.wait("predictor", s.record("compute"))
-        s.hold("predictor", x)
+        s.hand_off("predictor", x)
 
         def run():
             self.cands[nxt] = self.predictor(x, self.routers[nxt], self.cfg.candidates)
@@ -286,10 +283,9 @@ class StagedExperts:
         host_src = torch.where(pos < n_host, order + layer * E, self.host.shape[0])
         at = (pos + n_host).clamp(max=E - 1)  # [E] staging position of slot-plan entry i
         slot_src = slot[order[at]].long().clamp(min=0)
-        s.wait("copy", s.record("compute"))  # the previous layer's kernel has been issued
         plans = (host_src, pos.to(torch.int32), n_host.to(torch.int32), slot_src,
                  at.to(torch.int32), n_slot.to(torch.int32))
-        s.hold("copy", *plans)
+        s.hand_off("copy", *plans)  # also: the previous layer's kernel has been issued
         s.run("copy", lambda: self._copy(*plans))
         self.rows_from_host += n_host[0]
         self.rows_from_slots += n_slot[0]

@@ -31,7 +31,18 @@ class CpuEvent:
     position: int
 
 
-class CpuStreams:
+class _HandOff:
+    def hand_off(self, stream: str, *inputs: torch.Tensor) -> None:
+        """`stream` waits for all compute work issued so far and keeps `inputs` (what its next
+        work reads) alive. Taking the inputs as arguments makes them exist before the event is
+        recorded: a tensor the compute stream writes after the record races with the side
+        stream (prefill read unwritten int32 counts this way once: illegal address on the GPU
+        under load, invisible to this emulation, which runs compute work at once)."""
+        self.wait(stream, self.record("compute"))
+        self.hold(stream, *inputs)
+
+
+class CpuStreams(_HandOff):
     """Deferred-execution emulation of CUDA streams for the CPU path and its tests."""
 
     def __init__(self):
@@ -80,7 +91,7 @@ class CpuStreams:
             self.current = prev
 
 
-class CudaStreams:
+class CudaStreams(_HandOff):
     """Real CUDA streams. `compute` is whatever stream is current when the step runs (the
     default stream, or the capture stream while a CUDA graph records)."""
 

@@ -157,3 +157,24 @@ def test_prefill_with_a_warm_cache_reads_cached_experts_from_slots(folders):
     ref = resident(folder, 1, False, 41)
     assert tokens == ref[0] and torch.equal(logits, ref[1])
     assert int(staged.rows_from_slots) > before
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_compute_delayed_after_every_hand_off_changes_nothing(folders, graph):
+    """A delay kernel on the compute stream right after each hand-off lets the side streams run
+    ahead of everything the compute stream issues later. Prefill once read int32 counts cast
+    after its hand-off, unwritten under load (found with another process loading the GPU)."""
+    folder = folders["nvfp4-modelopt"]
+    ref = resident(folder, 2, graph, 41)
+
+    def patch(ex):
+        orig = ex.streams.hand_off
+
+        def hand_off(stream, *inputs):
+            orig(stream, *inputs)
+            torch.cuda._sleep(2_000_000)  # on the compute stream (the current one)
+        ex.streams.hand_off = hand_off
+
+    (tokens, logits), _ = offloaded(folder, 2, graph, steps=41, slots=18, prefetch="on",
+                                    patch=patch)
+    assert tokens == ref[0] and torch.equal(logits, ref[1])
