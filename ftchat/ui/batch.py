@@ -14,10 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ftchat.errors import FtchatError
-from ftchat.model.tokenizer import StreamDecoder
 from ftchat.session import Session, StepRecord
 from ftchat.ui.panel import PanelWriter, PlainWriter, Screen, isatty, timing_line
-from ftchat.ui.text import one_line, printable
+from ftchat.ui.text import ReplyText, one_line, printable
 
 
 @dataclass(frozen=True)
@@ -94,7 +93,7 @@ class _Replies:
         self.session, self.out, self.escape = session, out, escape  # escape None: JSON
         self.tokens: list[list[int]] = [[] for _ in range(n)]
         self.pieces: list[list[str]] = [[] for _ in range(n)]  # text not yet written
-        self.decoders = [StreamDecoder(session.tokenizer) for _ in range(n)]
+        self.decoders = [ReplyText(session.tokenizer) for _ in range(n)]
         self.final: dict[int, StepRecord] = {}
         self.next = 0  # the first reply not fully written
 

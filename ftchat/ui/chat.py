@@ -11,10 +11,9 @@ from collections.abc import Callable
 from types import FrameType
 
 from ftchat.errors import FtchatError
-from ftchat.model.tokenizer import StreamDecoder
 from ftchat.session import Session, StepRecord
 from ftchat.ui.panel import Screen, figure_rows, summary_line
-from ftchat.ui.text import printable
+from ftchat.ui.text import ReplyText, printable
 
 PROMPT, MORE = ">>> ", "... "
 FENCE = '"""'
@@ -115,7 +114,7 @@ def _command(command: str, session: Session, screen: Screen, last: StepRecord | 
 def _reply(session: Session, screen: Screen, ids: list[int]) -> StepRecord | None:
     """Stream one reply; returns its last record (None if nothing was generated)."""
     replies = session.chat(ids)  # raises here when the turn does not fit
-    decoder, last, ends_line = StreamDecoder(session.tokenizer), None, True
+    decoder, last, ends_line = ReplyText(session.tokenizer), None, True
     with _CtrlC() as ctrl_c, screen.live() as out:
         try:
             for rec in replies:

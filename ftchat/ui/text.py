@@ -1,7 +1,9 @@
-"""Making generated text safe to show: a terminal must not run control codes a model emits, and
-a plain batch reply must stay on one line."""
+"""Generated text as shown: a terminal must not run control codes a model emits, a plain batch
+reply must stay on one line, and an empty think block is not worth showing."""
 
 from __future__ import annotations
+
+from ftchat.model.tokenizer import StreamDecoder
 
 _LINE_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -27,3 +29,43 @@ def one_line(text: str) -> str:
 def printable(text: str) -> str:
     """Text for a terminal: newlines, tabs and backslashes kept, other controls escaped."""
     return "".join(c if c in "\n\t\\" or not _control(c) else _escape(c) for c in text)
+
+
+class ReplyText:
+    """The text of a streamed reply as shown (plain output; --json keeps the exact text): ids
+    decoded incrementally, without an empty think block at its start. The chat template opens
+    `<think>` in the prompt, so a model that does not reason starts its reply with `</think>`
+    and blank lines; a block with reasoning in it is shown as generated."""
+
+    CLOSE = "</think>"
+
+    def __init__(self, tokenizer) -> None:
+        self.decoder = StreamDecoder(tokenizer)
+        self.held = ""  # the reply's start while it may still be an empty think block
+        self.state = "start"  # start | after (drop the newlines after it) | pass
+
+    def feed(self, token_id: int) -> str:
+        return self._filter(self.decoder.feed(token_id))
+
+    def flush(self) -> str:
+        out = self._filter(self.decoder.flush()) + self.held
+        self.held, self.state = "", "pass"
+        return out
+
+    def _filter(self, text: str) -> str:
+        if self.state == "pass":
+            return text
+        if self.state == "after":
+            text = text.lstrip("\n")
+            self.state = "pass" if text else "after"
+            return text
+        self.held += text
+        head = self.held.lstrip()
+        if head.startswith(self.CLOSE):
+            rest = head[len(self.CLOSE):].lstrip("\n")
+            self.held, self.state = "", "pass" if rest else "after"
+            return rest
+        if self.CLOSE.startswith(head):  # undecided: whitespace, or part of the tag so far
+            return ""
+        out, self.held, self.state = self.held, "", "pass"
+        return out
