@@ -1,7 +1,9 @@
-"""This tree's fused `ensure` / `prefetch_ensure` against another version of cache_kernels.py, in
-one process, rounds interleaved (CUDA only).
+"""The fused `ensure` / `prefetch_ensure` under graph replay, arms side by side in one process,
+rounds interleaved (CUDA only): this tree's kernels at one or more warp counts, and optionally
+another version of cache_kernels.py.
 
     python benchmarks/ensure_ab.py OTHER/cache_kernels.py --json docs/ensure_ab.json
+    python benchmarks/ensure_ab.py --warps 1,2,4,8          (launch-shape sweep; not run yet)
 
 The maps of 48 Flash-Next layers (512 experts, top-10, S = 1650, 16 candidates, prefetch budget
 4) are captured in one CUDA graph per arm; each figure is the median replay time over 48, in us
@@ -12,6 +14,7 @@ The timing helpers are the GPU cost test's (tests/gpu/test_cache_kernels_graph_g
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import sys
@@ -50,13 +53,14 @@ def measure(arms: dict, bs: int, rounds: int) -> dict[str, list[float]]:
         cands.copy_(torch.randint(0, E, (LAYERS, 16), device="cuda"))
 
     graphs = {}
-    for name, mod in arms.items():
+    for name, (mod, warps) in arms.items():
+        ensure = functools.partial(mod.ensure_triton, num_warps=warps)
         for with_prefetch in (False, True):
             maps = SlotMaps.create(LAYERS, E, S, "cuda")
             three_new()
-            prefetch = mod.prefetch_ensure_triton if with_prefetch else None
-            graphs[name, with_prefetch] = _graph_of(
-                _token(maps, ids, cands, mod.ensure_triton, prefetch))
+            prefetch = (functools.partial(mod.prefetch_ensure_triton, num_warps=warps)
+                        if with_prefetch else None)
+            graphs[name, with_prefetch] = _graph_of(_token(maps, ids, cands, ensure, prefetch))
     out: dict[str, list[float]] = {}
     for _ in range(rounds):
         for (name, with_prefetch), g in graphs.items():
@@ -70,14 +74,20 @@ def measure(arms: dict, bs: int, rounds: int) -> dict[str, list[float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("other", type=Path, help="another cache_kernels.py")
+    p.add_argument("other", type=Path, nargs="?", help="another cache_kernels.py (its defaults)")
+    p.add_argument("--warps", default="", help="this tree at these warp counts, e.g. 1,2,4,8 "
+                   "(default: its own choice)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", type=Path, default=None)
     a = p.parse_args()
     if not torch.cuda.is_available():
         print("error: needs CUDA", file=sys.stderr)
         return 2
-    arms = {"this tree": cache_kernels, "other": load_other(a.other)}
+    warps = [int(w) for w in a.warps.split(",") if w] or [None]
+    arms = {("this tree" if w is None else f"this tree, {w} warps"): (cache_kernels, w)
+            for w in warps}
+    if a.other:
+        arms["other"] = (load_other(a.other), None)
     out = {}
     for bs in (1, 2):
         out.update(measure(arms, bs, a.rounds))

@@ -222,7 +222,8 @@ def _tiling(num_slots: int, tile: int | None) -> tuple[int, int, int]:
 
 def _warps(block: int, num_warps: int | None) -> int:
     # per victim one min-reduction: fewer warps, cheaper cross-warp step; more warps, fewer
-    # keys and blocked-slot compares per thread. Not measured yet: the benchmark sweeps it.
+    # keys and blocked-slot compares per thread. Not measured yet: `benchmarks/ensure_ab.py
+    # --warps 1,2,4,8` sweeps it.
     return num_warps or (4 if block <= 2048 else 8)
 
 
