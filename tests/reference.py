@@ -6,9 +6,9 @@ are made deterministic in the reference the same way ftchat breaks them (lowest 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 from safetensors import safe_open
@@ -84,15 +84,9 @@ def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
     return torch.return_types.topk((self.gather(dim, idx), idx))
 
 
-@contextlib.contextmanager
 def lowest_index_ties():
     """Tensor.topk (used by the reference's QSA indexer) picks the lowest index among ties."""
-    orig = torch.Tensor.topk
-    torch.Tensor.topk = _stable_topk
-    try:
-        yield
-    finally:
-        torch.Tensor.topk = orig
+    return mock.patch.object(torch.Tensor, "topk", _stable_topk)
 
 
 @torch.no_grad()
