@@ -3,12 +3,15 @@ rounds interleaved (CUDA only): this tree's kernels at one or more warp counts, 
 another version of cache_kernels.py.
 
     python benchmarks/ensure_ab.py OTHER/cache_kernels.py --json docs/ensure_ab.json
-    python benchmarks/ensure_ab.py --warps 1,2,4,8          (launch-shape sweep; not run yet)
+    python benchmarks/ensure_ab.py --warps 1,2,4,8 --json docs/ensure_warps.json   (launch shapes)
 
 The maps of 48 Flash-Next layers (512 experts, top-10, S = 1650, 16 candidates, prefetch budget
 4) are captured in one CUDA graph per arm; each figure is the median replay time over 48, in us
 per layer, for: all hits, 3 new ids per row (~2.7 misses) and fresh random routing (~9.4).
-The timing helpers are the GPU cost test's (tests/gpu/test_cache_kernels_graph_gpu.py).
+The timing helpers are the GPU cost test's (tests/gpu/test_cache_kernels_graph_gpu.py). Each
+arm's "all hits" follows the previous arm's fresh routing, so the cache is full and prefetch
+installs its budget (4) every replay; the cost test's "all hits" has free slots (see
+docs/performance.md).
 """
 
 from __future__ import annotations
@@ -60,10 +63,13 @@ def measure(arms: dict, bs: int, rounds: int) -> dict[str, list[float]]:
             three_new()
             prefetch = (functools.partial(mod.prefetch_ensure_triton, num_warps=warps)
                         if with_prefetch else None)
-            graphs[name, with_prefetch] = _graph_of(_token(maps, ids, cands, ensure, prefetch))
+            # the graph holds raw pointers: keep its maps alive beside it, or a later arm's
+            # allocations reuse their memory and the replay indexes through garbage
+            graphs[name, with_prefetch] = (_graph_of(_token(maps, ids, cands, ensure, prefetch)),
+                                           maps)
     out: dict[str, list[float]] = {}
     for _ in range(rounds):
-        for (name, with_prefetch), g in graphs.items():
+        for (name, with_prefetch), (g, _maps) in graphs.items():
             for scenario, refill in (("all hits", lambda: None), ("3 new", three_new),
                                      ("fresh", fresh)):
                 op = "ensure+prefetch" if with_prefetch else "ensure"

@@ -13,7 +13,7 @@ kernel keeps each tile's minimum and, after a pick, re-reduces only the winning 
 back the key it temporarily set to MASKED in memory (the install overwrites it before exit).
 
 Launch shape: grid (1,); one register tile of next_pow2(S) slots up to MAX_TILE (more tiles
-above); 4 warps up to 2048 slots, else 8. Plans are fresh tensors per call, like the reference's:
+above); 8 warps from a 2048-slot tile for ensure, from 4096 for prefetch_ensure, else 4. Plans are fresh tensors per call, like the reference's:
 a plan still read by a copy stream is never rewritten by the next call.
 
 Legend: B, K, S, C, M = batch, top-k, slots, candidates, B*K; N = layers * experts global ids.
@@ -220,11 +220,11 @@ def _tiling(num_slots: int, tile: int | None) -> tuple[int, int, int]:
     return block, tiles, _size(tiles)
 
 
-def _warps(block: int, num_warps: int | None) -> int:
-    # per victim one min-reduction: fewer warps, cheaper cross-warp step; more warps, fewer
-    # keys and blocked-slot compares per thread. Not measured yet: `benchmarks/ensure_ab.py
-    # --warps 1,2,4,8` sweeps it.
-    return num_warps or (4 if block <= 2048 else 8)
+def _warps(block: int, num_warps: int | None, eight_from: int) -> int:
+    # Swept on the H200 at S = 1650, one 2048-slot tile (`benchmarks/ensure_ab.py --warps`,
+    # docs/performance.md): ensure is fastest at 8 warps (4 costs 3-9 % more, 16 costs 13-20 %);
+    # the prefetch kernel's share is 0.7 us lower at 4 warps at bs 2. Smaller tiles: not swept.
+    return num_warps or (8 if block >= eight_from else 4)
 
 
 def _announce(maps: SlotMaps, names: tuple[str, ...]) -> None:
@@ -241,7 +241,7 @@ def _nonempty(x: Tensor) -> Tensor:
 def ensure_triton(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolicy,
                   tile: int | None = None, num_warps: int | None = None) -> DemandPlan:
     """cache.ensure as one kernel launch (grid 1). tile / num_warps: launch shape overrides
-    (benchmarks and tests); the defaults are MAX_TILE and 4 warps up to 2048 slots, else 8."""
+    (benchmarks and tests); the defaults are MAX_TILE and 8 warps from 1025 slots, else 4."""
     b, k = ids.shape
     m, n, s = b * k, maps.num_ids, maps.num_slots
     if m > s:
@@ -261,7 +261,7 @@ def ensure_triton(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolic
         st.hits, st.misses, st.prefetch_useful, slots, src, dst, count,
         layer * maps.num_experts, layer, s, n, policy.freq_weight(s, maps.num_layers, m),
         policy.freq_cap, M=m, MB=_size(m), BLOCK=block, TILES=tiles, TB=tb,
-        num_warps=_warps(block, num_warps), **_CONSTS,
+        num_warps=_warps(block, num_warps, 2048), **_CONSTS,
     )
     return DemandPlan(slots=slots.reshape(b, k), src=src, dst=dst, count=count)  # [B, K] slots
 
@@ -326,7 +326,7 @@ def prefetch_ensure_triton(maps: SlotMaps, layer: int, candidates: Tensor, budge
         maps.stats.prefetch_installs, src, dst, count,
         layer * maps.num_experts, layer, s, n, budget,
         C=c, CB=_size(c), P=p, VB=vb, BLOCK=block, TILES=tiles,
-        TB=tb, num_warps=_warps(block, num_warps), **_CONSTS,
+        TB=tb, num_warps=_warps(block, num_warps, 4096), **_CONSTS,
     )
     return PrefetchPlan(src=src[:budget], dst=dst[:budget], count=count)
 

@@ -105,14 +105,14 @@ def draw_candidates(rng: random.Random, ids: torch.Tensor, e: int) -> torch.Tens
 
 
 def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, seed: int,
-               steps: int, warm: int | None = None) -> Coverage:
+               steps: int, warm: int | None = None, warps: int | None = None) -> Coverage:
     """Decode-like: layers in order with random jumps, ensure(L) then prefetch_ensure(L + 1)."""
     layers = 4
     rng = random.Random(seed)
     ref = SlotMaps.create(layers, num_experts, num_slots, "cpu")
     dev = SlotMaps.create(layers, num_experts, num_slots, DEVICE)
-    ensure_k = functools.partial(ck.ensure_triton, tile=tile)
-    prefetch_k = functools.partial(ck.prefetch_ensure_triton, tile=tile)
+    ensure_k = functools.partial(ck.ensure_triton, tile=tile, num_warps=warps)
+    prefetch_k = functools.partial(ck.prefetch_ensure_triton, tile=tile, num_warps=warps)
     cov = Coverage()
     protect = NONE
     warm = num_slots // 2 + 60 if warm is None else warm  # long enough to fill the cache

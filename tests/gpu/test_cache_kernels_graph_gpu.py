@@ -109,6 +109,14 @@ def test_two_tiles_at_a_realistic_slot_count():
     assert cov.misses > 0 and cov.victim_bands >= {1, 2}
 
 
+@pytest.mark.parametrize("warps", [4, 8, 16])
+def test_one_full_tile_at_the_decode_slot_count(warps):
+    # S = 1650 (Flash-Next's ~6.7 %): one 2048-slot tile; the warp count is a launch choice only
+    assert ck._tiling(1650, None)[1] == 1
+    cov = random_run(1650, 2, 10, 1024, RULE, None, seed=12, steps=200, warm=2000, warps=warps)
+    assert cov.misses > 0 and cov.victim_bands >= {1, 2}
+
+
 def _graph_of(fn) -> torch.cuda.CUDAGraph:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
