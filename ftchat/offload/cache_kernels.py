@@ -13,8 +13,9 @@ kernel keeps each tile's minimum and, after a pick, re-reduces only the winning 
 back the key it temporarily set to MASKED in memory (the install overwrites it before exit).
 
 Launch shape: grid (1,); one register tile of next_pow2(S) slots up to MAX_TILE (more tiles
-above); 8 warps from a 2048-slot tile for ensure, from 4096 for prefetch_ensure, else 4. Plans are fresh tensors per call, like the reference's:
-a plan still read by a copy stream is never rewritten by the next call.
+above); 8 warps from a 2048-slot tile for ensure, from 4096 for prefetch_ensure, else 4. Plans
+are fresh tensors per call, like the reference's: a plan still read by a copy stream is never
+rewritten by the next call.
 
 Legend: B, K, S, C, M = batch, top-k, slots, candidates, B*K; N = layers * experts global ids.
 """
@@ -222,7 +223,7 @@ def _tiling(num_slots: int, tile: int | None) -> tuple[int, int, int]:
 
 def _warps(block: int, num_warps: int | None, eight_from: int) -> int:
     # Swept on the H200 at S = 1650, one 2048-slot tile (`benchmarks/ensure_ab.py --warps`,
-    # docs/performance.md): ensure is fastest at 8 warps (4 costs 3-9 % more, 16 costs 13-20 %);
+    # docs/performance.md): ensure is fastest at 8 warps (4 costs 3-9 % more, 16 costs 14-19 %);
     # the prefetch kernel's share is 0.7 us lower at 4 warps at bs 2. Smaller tiles: not swept.
     return num_warps or (8 if block >= eight_from else 4)
 
