@@ -144,8 +144,9 @@ def verify_cmd(
     eviction: Eviction = None, overlap: Overlap = None, context: Context = None,
     device: Device = None, dtype: Dtype = None, copy_programs: CopyPrograms = None,
 ) -> None:
-    """Prefetch on vs off, token by token, over N cold prompts, with the verifier and the slot
-    audit watching the `on` arm. Exits 1 on any mismatch, verifier record or bad slot."""
+    """Prefetch on vs off, token by token, over N cold prompts; exits 1 on any difference.
+
+    The verifier and the slot audit watch the `on` arm: their findings fail the run too."""
     flags = _engine_flags(locals(), ("model", "mode", "prompts", "max_new_tokens", "audit_every",
                                      "json"))
     from ftchat.ui.debug import verify
