@@ -70,3 +70,13 @@ def test_an_internal_error_is_one_line(monkeypatch, capsys, tiny_bf16):
 
     with pytest.raises(RuntimeError):
         main(["bench", str(tiny_bf16), "--device", "cpu"])
+
+
+def test_audit_with_no_model_announces_the_demo(tiny_bf16, monkeypatch):
+    # the debug commands print the same demo banner as `run` (once printed a function's repr)
+    monkeypatch.setattr("ftchat.resolve.SHIPPED_DEMO", tiny_bf16)
+    res = runner.invoke(app, ["audit", "--prompt", "hello", "--every", "4", "--slots", "20",
+                              "--max-new-tokens", "4", "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    assert "demo model: a small qwen4_exp trained" in res.stderr
+    assert "<function" not in res.stderr

@@ -22,7 +22,7 @@ def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: Te
 
     resolved = resolve_model(model, env)
     if resolved.demo:
-        print(demo_notice, file=err)
+        print(demo_notice(resolved.path), file=err)
     tok = Tokenizer.from_folder(resolved.path)
     with progress_bar(err, "loading") as bar:
         m = load_model(resolved.path, str(settings.torch_device()), settings.torch_dtype(), bar)
