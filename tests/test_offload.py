@@ -101,8 +101,8 @@ def test_staged_prefill_equals_resident(tiny_nvfp4):
 
 def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
     """Experts the decode cache holds are copied into staging from their slots, not the host:
-    with the host rows of every cached expert corrupted, prefill is still exact; corrupting one
-    routed expert the cache does not hold changes the logits (the control)."""
+    with the host rows of every cached expert corrupted, prefill is still exact; corrupting the
+    host rows of the experts it does not hold changes the logits (the control)."""
     from ftchat.engine import build_experts, generate, prefill
     from ftchat.model.state import DecodeState
     from ftchat.offload.backend import StagedExperts
@@ -134,7 +134,7 @@ def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
     assert st["prefill_rows_from_slots"] == int(staged.rows_from_slots)
     assert st["prefill_copy_gb"] == int(staged.rows_from_host) * m.layout.nbytes / 1e9
 
-    # control: one routed expert the cache does not hold, corrupted on the host
+    # control: the host rows of the experts the cache does not hold, corrupted
     E, layers = m.args.num_experts, m.args.num_hidden_layers
     absent = [g for g in range(E * layers) if g not in set(cached.tolist())]
     bad = host.clone()
