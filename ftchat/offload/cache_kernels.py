@@ -38,14 +38,7 @@ from ftchat.offload.policy import (
     EvictionPolicy,
 )
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs and CI: the dispatchers use the torch reference
-    triton = tl = None
-    HAS_TRITON = False
+from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 
 MAX_TILE = 4096  # slots per register tile: 16 int64 per thread at 8 warps
 _CONSTS = {"LOW": LOW_BASE, "RES": RES_BASE, "MASKED": MASKED, "HIT_BITS": HIT_BITS,
@@ -54,11 +47,6 @@ _ENSURE_WRITES = ("key", "slot_of", "id_of", "clock", "stats.hits", "stats.misse
                   "stats.prefetch_useful")  # every map the ensure kernel writes, as cache.py names
 _PREFETCH_WRITES = ("slot_of", "id_of", "key", "stats.prefetch_installs")
 
-
-def _jit(fn=None, **kwargs):
-    if fn is None:  # used as @_jit(do_not_specialize=...)
-        return lambda f: _jit(f, **kwargs)
-    return triton.jit(fn, **kwargs) if HAS_TRITON else fn
 
 
 # per-call integers are not specialized on their values (layer == 1, base % 16 == 0, ...):

@@ -13,21 +13,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs and CI: the torch path below still works
-    triton = tl = None
-    HAS_TRITON = False
+from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 
 DEFAULT_PROGRAMS = 8  # slim copy: 8 programs reach ~50 GB/s on the H200's PCIe 5 link
 BLOCK_BYTES = 16384  # bytes a program moves per work item
 
-
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
 
 
 def _check(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor) -> None:

@@ -23,20 +23,10 @@ from torch import Tensor
 from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
-try:
-    import triton
-    import triton.language as tl
-
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs and CI: routed_experts_any falls back to torch
-    triton = tl = None
-    HAS_TRITON = False
+from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 
 DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
 
-
-def _jit(fn):
-    return triton.jit(fn) if HAS_TRITON else fn
 
 
 @dataclass(frozen=True)
