@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs
-from ftchat.model.qwen4_exp import ExpertBackend, Weights, forward
+from ftchat.model.expert_backend import ExpertBackend
+from ftchat.model.qwen4_exp import Weights, forward
 from ftchat.model.rows import RowLayout
 from ftchat.model.state import DecodeState
 from ftchat.errors import FtchatError

@@ -18,7 +18,7 @@ import torch
 
 from ftchat import engine
 from ftchat.errors import FtchatError
-from ftchat.model.qwen4_exp import ExpertBackend
+from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.tokenizer import IM_END, Tokenizer
 from ftchat.settings import Settings
 

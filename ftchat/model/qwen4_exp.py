@@ -7,35 +7,17 @@ per-request state (DecodeState) and the routed-expert backend come in as argumen
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ftchat.model.config import ModelArgs
+from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.gdn import gdn_mixer
 from ftchat.model.layers import rms_norm, swiglu
 from ftchat.model.ple import ple_layer
 from ftchat.model.qsa import attention_mixer
 from ftchat.model.state import DecodeState
-
-
-class ExpertBackend(Protocol):
-    """Routed experts of one MoE block, split in two so the shared expert can run in between."""
-
-    def begin(self, layer: int, x: Tensor, ids: Tensor) -> object:
-        """Make experts `ids` [T, K] of `layer` readable (offload: ensure + copies); x [T, D]."""
-
-    def finish(self, pending: object, x: Tensor, weights: Tensor) -> Tensor:
-        """Weighted sum of the routed experts' outputs [T, D]."""
-
-    def end_step(self) -> None:
-        """One decode step is complete."""
-
-    def for_prefill(self) -> "ExpertBackend":
-        """The backend prefill chunks run through (they route to most experts of a layer)."""
-
 
 BLOCKS = ("ple", "attn_hyper_connection", "self_attn", "linear_attn", "mlp_hyper_connection", "mlp")
 
