@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ftchat.bench import bench_context, bench_prefill
+from ftchat.commands.bench import bench_context, bench_prefill, parse_arms
 from ftchat.engine import load_model
 from ftchat.model.synth import write_checkpoint
 from ftchat.settings import Settings
@@ -51,7 +51,7 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "layers": a.num_hidden_layers,
            "slots": slots, "row_bytes": m.layout.nbytes, "synth_s": synth_s, "contexts": {}}
     for ctx in [int(c) for c in args.contexts.split(",")]:
-        res["contexts"][ctx] = bench_context(m, args.arms.split(";"), ctx, base, args.steps,
+        res["contexts"][ctx] = bench_context(m, parse_arms(args.arms, base), ctx, base, args.steps,
                                              args.rounds)
         print(json.dumps({ctx: res["contexts"][ctx]}, indent=1), flush=True)
     if args.prefill:

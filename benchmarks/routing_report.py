@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from ftchat.errors import FtchatError
+from ftchat.model.expert_backend import ForwardingBackend, Pending
 from ftchat.offload import cache as sc
 from ftchat.offload.policy import EMPTY_BASE, POLICIES, EvictionPolicy
 
@@ -126,27 +127,23 @@ def token_lookahead(x: Tensor, router: Tensor, k: int) -> Tensor:
     return probs.topk(k, dim=-1).indices
 
 
-class RecordingExperts:
+class RecordingExperts(ForwardingBackend):
     """ExpertBackend wrapper: forwards every call to `inner` and records, per MoE call, the routed
-    ids [T, K] and the next layer's lookahead candidates [T, C] computed from the router input."""
+    ids [T, K] and the next layer's lookahead candidates [T, C] computed from the router input.
+    (Per token, unlike the backend's lookahead, which sums a chunk's probabilities.)"""
 
     def __init__(self, inner, routers: list[Tensor], k: int,
                  predictor: Callable[[Tensor, Tensor, int], Tensor] = token_lookahead):
-        self.inner, self.routers, self.k, self.predictor = inner, routers, k, predictor
+        super().__init__(inner)
+        self.routers, self.k, self.predictor = routers, k, predictor
         self.ids: list[list[Tensor]] = [[] for _ in routers]  # per layer: [T, K] per call
         self.cands: list[list[Tensor]] = [[] for _ in routers[1:]]  # per layer < last: [T, C]
 
-    def begin(self, layer: int, x: Tensor, ids: Tensor) -> object:
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         self.ids[layer].append(ids.detach().clone())
         if layer + 1 < len(self.routers):
             self.cands[layer].append(self.predictor(x.detach(), self.routers[layer + 1], self.k))
         return self.inner.begin(layer, x, ids)
-
-    def finish(self, pending: object, x: Tensor, weights: Tensor) -> Tensor:
-        return self.inner.finish(pending, x, weights)
-
-    def end_step(self) -> None:
-        self.inner.end_step()
 
     def for_prefill(self) -> RecordingExperts:
         return self

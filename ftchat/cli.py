@@ -13,7 +13,9 @@ from typing import Annotated
 import typer
 
 from ftchat.errors import FtchatError
-from ftchat.settings import resolve_settings
+from ftchat.settings import Settings, resolve_settings
+
+_D = Settings()  # the defaults the help texts quote
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Local chat and greedy decode of Qwen3.8-Flash-Next, experts offloaded.")
@@ -25,11 +27,12 @@ Prefetch = Annotated[str | None, typer.Option(
     help="off|measure|on (env FREETOKEN_MOE_PREFETCH; default off)")]
 Budget = Annotated[int | None, typer.Option(
     help="Prefetch budget before every layer (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
-BudgetGdn = Annotated[int | None, typer.Option(help="Budget before GDN layers (default 3)")]
+BudgetGdn = Annotated[int | None, typer.Option(
+    help=f"Budget before GDN layers (default {_D.budget_gdn})")]
 BudgetAttn = Annotated[int | None, typer.Option(
-    help="Budget before attention layers (default 4)")]
+    help=f"Budget before attention layers (default {_D.budget_attn})")]
 Candidates = Annotated[int | None, typer.Option(
-    help="Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default 16)")]
+    help=f"Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default {_D.candidates})")]
 Slots = Annotated[int | None, typer.Option(help="Expert slots in VRAM (or --expert-vram)")]
 ExpertVram = Annotated[float | None, typer.Option(
     "--expert-vram", metavar="GIB", help="VRAM for expert slots, GiB (or --slots)")]
@@ -38,7 +41,8 @@ Overlap = Annotated[bool | None, typer.Option(
     "--overlap/--no-overlap", help="Shared expert overlaps the demand copy (default on)")]
 Graph = Annotated[bool | None, typer.Option(
     "--graph/--eager", help="CUDA graphs (default: on CUDA)")]
-MaxNew = Annotated[int | None, typer.Option(help="Tokens per reply at most (default 256)")]
+MaxNew = Annotated[int | None, typer.Option(
+    help=f"Tokens per reply at most (default {_D.max_new_tokens})")]
 Context = Annotated[int | None, typer.Option(
     help="KV capacity in tokens (default: the model's, at most 32768)")]
 Device = Annotated[str | None, typer.Option(help="auto|cuda|cpu (default auto)")]
@@ -49,7 +53,8 @@ Verify = Annotated[str | None, typer.Option(
 Audit = Annotated[int | None, typer.Option(
     metavar="N", help="Byte-check the slot cache every N steps (env FREETOKEN_MOE_SLOT_AUDIT)")]
 CopyPrograms = Annotated[int | None, typer.Option(
-    help="Copy-kernel programs, 0: cudaMemcpy (env FREETOKEN_MOE_SLIM_COPY; default 8)")]
+    help="Copy-kernel programs, 0: cudaMemcpy (env FREETOKEN_MOE_SLIM_COPY; "
+    f"default {_D.copy_programs})")]
 RecordRouting = Annotated[str | None, typer.Option(
     metavar="FILE", help="Write the routed expert ids of every step to FILE")]
 
@@ -104,10 +109,58 @@ def synth(
     from ftchat.model.synth import write_checkpoint
     from ftchat.ui.progress import progress_bar
 
-    with progress_bar(sys.stderr, "writing") as bar:
-        path = write_checkpoint(out, preset, layers, format, seed,
-                                progress=lambda i, n: bar("layers", i, n))
+    created = _new_folder_parents(out)
+    try:
+        with progress_bar(sys.stderr, "writing") as bar:
+            path = write_checkpoint(out, preset, layers, format, seed,
+                                    progress=lambda i, n: bar("layers", i, n))
+    except OSError as e:  # the checks passed, the file system still refused (read-only, full)
+        _remove_empty(created)
+        raise FtchatError(f"{out}: cannot write the checkpoint in {out.absolute().parent} "
+                          f"({e.strerror or e}); choose a folder on a writable disk") from None
+    except BaseException:
+        _remove_empty(created)
+        raise
     typer.echo(f"wrote {path}")
+
+
+def _new_folder_parents(out: Path) -> list[Path]:
+    """Check that `out` can become a new folder; create its missing parents and return them
+    (outermost first), so that a failed write can remove them again."""
+    new = "synth writes a new folder: give a path that does not exist yet"
+    if out.is_symlink() or out.exists():
+        if not out.is_dir():
+            raise FtchatError(f"{out}: exists and is not a folder; {new}")
+        if any(out.iterdir()):
+            raise FtchatError(f"{out}: exists and is not empty; {new}")
+        return []
+    missing = []
+    parent = out.absolute().parent
+    while not parent.exists() and not parent.is_symlink():
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise FtchatError(f"{out}: {parent} is not a folder; give a path inside a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FtchatError(f"{out}: no permission to write in {parent}; choose another folder")
+    created: list[Path] = []
+    for folder in reversed(missing):
+        try:
+            folder.mkdir()
+        except OSError as e:
+            _remove_empty(created)
+            raise FtchatError(f"{out}: cannot create the folder {folder} ({e.strerror or e}); "
+                              "choose a folder on a writable disk") from None
+        created.append(folder)
+    return created
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            pass
 
 
 @app.command()
@@ -205,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     except FtchatError as e:
         return _fail(str(e), 1)
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
+        if not e.format_message().strip():  # `ftchat` alone: the help is printed, nothing failed
+            return 0
         return _fail(e.format_message(), e.exit_code)
     except typer.Abort:  # EOF where input was needed
         return _fail("aborted", 1)

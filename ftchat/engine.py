@@ -5,7 +5,8 @@ Legend: B batch, T tokens, V vocab.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,45 +84,20 @@ def num_slots(m: LoadedModel, settings: Settings) -> int:
 
 def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None) -> ExpertBackend:
     """The routed-expert backend the settings ask for: offloaded slot cache, or all resident
-    when every expert fits (on the CPU: when no slot count is asked for)."""
+    when every expert fits, prefetch is off, no slot count is asked for and no hooks watch.
+    `hooks` are the debug watchers (ftchat.debug builds them from the settings)."""
     a = m.args
     S = num_slots(m, settings)
-    wants_debug = (hooks is not None or settings.verify or settings.audit_every
-                   or settings.record_routing)
-    if S == a.num_hidden_layers * a.num_experts and settings.prefetch == "off" and not wants_debug \
-            and settings.slots is None:
+    all_fit = S == a.num_hidden_layers * a.num_experts and settings.slots is None
+    if all_fit and settings.prefetch == "off" and hooks is None:
         return resident_backend(m)
     routers = [m.weights.layers[i]["mlp"]["gate.weight"] for i in range(a.num_hidden_layers)]
-    if hooks is None:
-        hooks = debug_hooks(settings, a.num_hidden_layers, S, m.device, routers)
-    cfg = OffloadConfig(num_slots=S, policy=settings.eviction, prefetch=settings.prefetch,
-                        budget_gdn=settings.budget_gdn, budget_attn=settings.budget_attn,
-                        candidates=min(settings.candidates, a.num_experts), overlap=settings.overlap,
-                        copy_programs=settings.copy_programs)
+    cfg = OffloadConfig.from_settings(settings, S, a.num_experts)
     attention = {i for i in range(a.num_hidden_layers) if a.is_attention(i)}
     if m.device.type == "cuda" and not m.host_rows.is_pinned():
         pin(m.host_rows)
     return OffloadExperts(m.host_rows, m.layout, routers, attention, cfg, m.device,
                           make_streams(m.device), hooks)
-
-
-def debug_hooks(settings: Settings, num_layers: int, num_slots: int, device,
-                routers: list[Tensor]) -> Hooks | None:
-    """The verifier, the slot audit and the routing recorder the settings ask for (None when
-    all are off)."""
-    from ftchat.debug import HookChain
-    from ftchat.debug.audit import SlotAudit
-    from ftchat.debug.routing import RoutingRecorder
-    from ftchat.debug.verify import Verifier
-
-    hooks: list[Hooks] = []
-    if settings.verify:
-        hooks.append(Verifier(settings.verify, num_layers, device))
-    if settings.audit_every:
-        hooks.append(SlotAudit(settings.audit_every, num_slots, device))
-    if settings.record_routing:
-        hooks.append(RoutingRecorder(settings.record_routing, routers, settings.candidates))
-    return None if not hooks else hooks[0] if len(hooks) == 1 else HookChain(hooks)
 
 
 def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: int,
@@ -168,16 +144,18 @@ class Decoder:
         if graph and not graph_safe(m):
             graph = False  # the n-gram table is read from host files each step: eager only
         if graph:
+            experts.before_capture()
             self.graph = DecodeGraph(
                 lambda tok, pos: _decode(m, self.state, experts, tok, pos, max_len), batch, m.device)
-            self.reset()  # capture ran the step twice: start clean
+            experts.after_capture()  # the capture's warm-up ran real steps: the backend is cold
+            self.reset(experts=False)
 
     def reset(self, experts: bool = True) -> None:
         """Clear the decode state for new sequences; with experts=True also empty the expert
-        cache (after graph capture, whose warm-up ran real steps)."""
+        cache."""
         eos = self.m.args.eos_token_id or 0
         self.state.reset(slice(0, self.state.ple_ctx.shape[0]), eos)
-        if experts and hasattr(self.experts, "reset"):
+        if experts:
             self.experts.reset()
 
     def prefill(self, row: int, ids: Tensor, start: int) -> Tensor:
@@ -190,36 +168,104 @@ class Decoder:
         return torch.cat(out)
 
     def step(self, tokens: Tensor, lengths: list[int]) -> Tensor:
-        """logits [B, V] for tokens [B] at positions lengths."""
+        """logits [B, V] for tokens [B] at positions lengths. A graph's logits are its static
+        output buffer: the next step overwrites them."""
         if self.graph is not None:
             logits = self.graph(tokens, lengths)
         else:
             logits = decode_step(self.m, self.state, tokens, lengths, self.experts)
-        self.experts.end_step()
+        self.experts.end_step(tokens.shape[0])
         return logits
+
+
+# ===== the decode loop: every caller (chat, batch, verify, audit, bench, tests) runs this =====
+
+Stop = str  # why a sequence ends at a token: "eos" | "length" | "context"
 
 
 @dataclass(frozen=True)
 class Step:
-    """One decode step of a batch: the tokens it produced (index = sequence)."""
+    """One position of a batch's greedy decode. Index b = sequence b of the batch.
 
-    tokens: tuple[int, ...]
-    logits: Tensor  # [B, V]
+    A finished sequence rides along in later steps (the batch decodes together): `active[b]` is
+    False there and its token is meaningless."""
+
+    tokens: tuple[int, ...]  # [B] the greedy token of each sequence
+    logits: Tensor  # [B, V] the logits they were chosen from (a copy under graph replay)
+    stops: tuple[Stop | None, ...]  # why a sequence ends at this token, if it does
+    active: tuple[bool, ...]  # the sequence produced this token (not finished before)
+    n: tuple[int, ...]  # tokens generated per sequence so far, this one included
+    lengths: tuple[int, ...]  # tokens in each sequence's state (this token not fed yet)
+    prefill_s: tuple[float, ...]  # each sequence's prefill time
+    decode_s: float  # since the first token
+    decode_tokens: int  # tokens that came from decode steps so far (a reply's first: prefill)
+
+
+def stop_reason(token: int, n: int, limit: int, length: int, max_len: int,
+                stops: frozenset[int]) -> Stop | None:
+    """Why a sequence ends at its n-th token, if it does (`length` = tokens in its state)."""
+    if token in stops:
+        return "eos"
+    if n >= limit:
+        return "length"
+    if length >= max_len:  # no room to feed this token back
+        return "context"
+    return None
+
+
+def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int],
+           limits: Sequence[int], stops: frozenset[int] = frozenset()) -> Iterator[Step]:
+    """Greedy decode: prompt b is prefilled into row b of `dec` at position starts[b] (rows
+    already hold starts[b] tokens), then every row decodes together until each has stopped
+    (eos, its limit, or a full state). Yields one Step per position.
+
+    Closing the iterator at a yield leaves the state whole: the yielded tokens were not fed.
+    """
+    m, B, max_len = dec.m, len(prompts), dec.state.max_len
+    prefill_s, last = [], []
+    for b, ids in enumerate(prompts):
+        t = _now(m.device)
+        last.append(dec.prefill(b, torch.tensor(list(ids)), starts[b])[-1])
+        prefill_s.append(_now(m.device) - t)
+    logits = torch.stack(last)  # [B, V]
+    lengths = [s + len(p) for s, p in zip(starts, prompts, strict=True)]
+    n, done, decode_tokens = [0] * B, [False] * B, 0
+    t0 = _now(m.device, sync=False)
+    while True:
+        # SYNC: the greedy tokens go to the host
+        tokens = logits.argmax(-1).tolist()  # [B]
+        active = [not d for d in done]
+        reasons = [None] * B
+        for b, t in enumerate(tokens):
+            if active[b]:
+                n[b] += 1
+                reasons[b] = stop_reason(t, n[b], limits[b], lengths[b], max_len, stops)
+                done[b] = reasons[b] is not None
+        yield Step(tuple(tokens), logits.clone() if dec.graph is not None else logits,
+                   tuple(reasons), tuple(active), tuple(n), tuple(lengths), tuple(prefill_s),
+                   _now(m.device, sync=False) - t0, decode_tokens)
+        if all(done):
+            return
+        logits = dec.step(torch.tensor(tokens, device=m.device), lengths)
+        decode_tokens += done.count(False)
+        # a finished row rides along, but never past its state
+        lengths = [ln + 1 if not d else min(ln + 1, max_len - 1)
+                   for ln, d in zip(lengths, done, strict=True)]
 
 
 def generate(m: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
              experts: ExpertBackend, max_len: int | None = None, graph: bool = False
              ) -> Iterator[Step]:
-    """Greedy decode of a batch of prompts (prefilled one by one, decoded together)."""
+    """Greedy decode of a batch of fresh prompts for exactly max_new_tokens tokens each (no stop
+    tokens), in a fresh Decoder: `decode` with the defaults tests and verify use."""
     max_len = max_len or max(len(p) for p in prompts) + max_new_tokens + 1
     dec = Decoder(m, experts, len(prompts), max_len, graph)
-    logits = torch.stack([dec.prefill(b, torch.tensor(p), 0)[-1] for b, p in enumerate(prompts)])
-    lengths = [len(p) for p in prompts]
-    for i in range(max_new_tokens):
-        nxt = logits.argmax(-1)  # [B]
-        # SYNC: the sampled tokens go to the host
-        yield Step(tuple(nxt.tolist()), logits.clone() if graph else logits)
-        if i + 1 == max_new_tokens:
-            break
-        logits = dec.step(nxt, lengths)
-        lengths = [n + 1 for n in lengths]
+    B = len(prompts)
+    return decode(dec, prompts, [0] * B, [max_new_tokens] * B)
+
+
+def _now(device: torch.device, sync: bool = True) -> float:
+    """Wall time; with sync, after the device's queued work (prefill boundaries)."""
+    if sync and device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: timing only
+    return time.perf_counter()

@@ -13,10 +13,9 @@ from torch import Tensor
 
 class DecodeGraph:
     """One captured decode step for a fixed batch size. `step` runs the model on the static
-    buffers; capturing executes it twice first (warm-up), so the caller resets its state after."""
+    buffers; capturing executes it twice first (warm-up): the caller undoes what those steps did."""
 
-    def __init__(self, step: Callable[[Tensor, Tensor], Tensor], batch: int,
-                 device: torch.device, pool=None):
+    def __init__(self, step: Callable[[Tensor, Tensor], Tensor], batch: int, device: torch.device):
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)  # [B]
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1]
         side = torch.cuda.Stream(device)
@@ -26,7 +25,7 @@ class DecodeGraph:
                 step(self.tokens, self.pos)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        with torch.cuda.graph(self.graph):
             self.logits = step(self.tokens, self.pos)  # [B, V]
 
     def __call__(self, tokens: Tensor, lengths: list[int]) -> Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ftchat.errors import FtchatError, ModelError
+from ftchat.model.config import not_a_model_folder
 
 # Only what ftchat reads: config, generation config, tokenizer files, safetensors shards + index.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -79,12 +80,19 @@ def resolve_model(model: str | None, env: Mapping[str, str]) -> ResolvedModel:
         return ResolvedModel(default_model_path(env), "demo", demo=True)
     path = Path(model).expanduser()
     if path.is_dir():
-        return ResolvedModel(path, model)
+        return _model_folder(path, model)
     if path.exists():
         raise ModelError(f"{model}: not a folder (MODEL is a checkpoint folder or a repo id)")
     if not REPO_ID.match(model) or model.startswith((".", "/", "~")):
         raise ModelError(f"{model}: no such model folder")
-    return ResolvedModel(_snapshot(model, _offline(env), _hub_cache(env)), model)
+    return _model_folder(_snapshot(model, _offline(env), _hub_cache(env)), model)
+
+
+def _model_folder(path: Path, name: str) -> ResolvedModel:
+    # Checked here, first, so that every command says the same (not a missing tokenizer.json).
+    if not (path / "config.json").is_file():
+        raise not_a_model_folder(name)
+    return ResolvedModel(path, name)
 
 
 def _offline(env: Mapping[str, str]) -> bool:

@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import count
 from pathlib import Path
 
 import torch
 
 from ftchat import engine
+from ftchat.debug import hooks_for
 from ftchat.errors import FtchatError
+from ftchat.model.config import check_context
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.tokenizer import IM_END, Tokenizer
 from ftchat.settings import Settings
@@ -28,8 +29,12 @@ TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the ne
 
 
 def build_experts(model: engine.LoadedModel, settings: Settings) -> ExpertBackend:
-    # The slot cache + prefetch backend the settings ask for (all resident when they all fit).
-    return engine.build_experts(model, settings)
+    """The backend the settings ask for (all resident when every expert fits), watched by the
+    debug hooks the settings turn on."""
+    a = model.args
+    hooks = hooks_for(settings, a.num_hidden_layers, engine.num_slots(model, settings),
+                      model.device)
+    return engine.build_experts(model, settings, hooks)
 
 
 @dataclass(frozen=True)
@@ -72,23 +77,17 @@ class StepRecord:
     figures: Figures
 
 
-class _Clock:
-    """Wall time that includes the device's queued work, and a throttle for backend stats."""
+class _StatsThrottle:
+    """Backend stats may sync the device: read them at most every STATS_EVERY_S."""
 
-    def __init__(self, device: torch.device, experts: ExpertBackend):
-        self.device, self.experts = device, experts
+    def __init__(self, experts: ExpertBackend):
+        self.experts = experts
         self.stats: dict[str, float] = {}
-        self.stats_at = -1e9
+        self.at = -1e9
 
-    def now(self, sync: bool = True) -> float:
-        if sync and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # SYNC: timing only (prefill boundaries)
-        return time.perf_counter()
-
-    def offload(self, force: bool) -> dict[str, float]:
-        stats = getattr(self.experts, "stats", None)
-        if stats is not None and (force or time.perf_counter() - self.stats_at > STATS_EVERY_S):
-            self.stats, self.stats_at = dict(stats()), time.perf_counter()
+    def __call__(self, force: bool) -> dict[str, float]:
+        if force or time.perf_counter() - self.at > STATS_EVERY_S:
+            self.stats, self.at = dict(self.experts.stats()), time.perf_counter()
         return self.stats
 
 
@@ -100,6 +99,7 @@ class Session:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.experts = experts
         a = model.args
+        check_context(a, settings.context)
         self.max_len = settings.context or min(a.max_position_embeddings, DEFAULT_CONTEXT)
         self.im_end = tokenizer.special_ids[IM_END]
         # ===== conversation (chat) =====
@@ -123,10 +123,8 @@ class Session:
         return cls(model, tokenizer, settings, build_experts(model, settings))
 
     def close(self) -> None:
-        """Release what the backend holds open (debug recorders, files), if it has a close()."""
-        close = getattr(self.experts, "close", None)
-        if close is not None:
-            close()
+        """Release what the backend holds open (debug recorders, files)."""
+        self.experts.close()
 
     def describe(self) -> str:
         a, m = self.model.args, self.model
@@ -188,43 +186,17 @@ class Session:
 
     def _chunk(self, seqs: range, prompts: list[list[int]], limits: list[int],
                stops: frozenset[int]) -> Iterator[StepRecord]:
-        m, B = self.model, len(prompts)
-        dec = self._decoder(B)
-        max_len = dec.state.max_len
-        clock = _Clock(m.device, self.experts)
-        last, prefill_s = [], []
-        for b, ids in enumerate(prompts):
-            t = clock.now()
-            last.append(dec.prefill(b, torch.tensor(ids), 0)[-1])
-            prefill_s.append(clock.now() - t)
-        logits = torch.stack(last)  # [B, V]
-        lengths = [len(p) for p in prompts]
-        n, done, decode_tokens = [0] * B, [False] * B, 0
-        t0 = clock.now(sync=False)
-        while True:
-            # SYNC: the sampled tokens go to the host
-            tokens = logits.argmax(-1).tolist()  # [B]
-            now = clock.now(sync=False)
-            finishing = [_stop(t, n[b] + 1, limits[b], lengths[b], max_len, stops)
-                         for b, t in enumerate(tokens)]
-            final_step = all(d or f for d, f in zip(done, finishing, strict=True))
-            fig = Figures(sum(map(len, prompts)), sum(prefill_s), decode_tokens, now - t0,
-                          sum(n) + done.count(False), max(lengths), max_len, *_vram(m.device),
-                          clock.offload(force=final_step))
-            for b, tok in enumerate(tokens):
-                if done[b]:
-                    continue
-                n[b] += 1
-                done[b] = finishing[b] is not None
-                yield StepRecord(seqs[b], tok, n[b], finishing[b], len(prompts[b]), prefill_s[b],
-                                 now - t0, fig)
-            if all(done):
-                return
-            logits = dec.step(torch.tensor(tokens, device=m.device), lengths)
-            decode_tokens += done.count(False)
-            # Finished rows still ride along (as in engine.generate) but never past the state.
-            lengths = [ln + 1 if not d else min(ln + 1, max_len - 1)
-                       for ln, d in zip(lengths, done, strict=True)]
+        m, dec = self.model, self._decoder(len(prompts))
+        stats = _StatsThrottle(self.experts)
+        for step in engine.decode(dec, prompts, [0] * len(prompts), limits, stops):
+            final = all(not a or r is not None for a, r in zip(step.active, step.stops))
+            fig = Figures(sum(map(len, prompts)), sum(step.prefill_s), step.decode_tokens,
+                          step.decode_s, sum(step.n), max(step.lengths), dec.state.max_len,
+                          *_vram(m.device), stats(force=final))
+            for b, tok in enumerate(step.tokens):
+                if step.active[b]:
+                    yield StepRecord(seqs[b], tok, step.n[b], step.stops[b], len(prompts[b]),
+                                     step.prefill_s[b], step.decode_s, fig)
 
     # ===== chat =====
     @property
@@ -267,48 +239,31 @@ class Session:
         return dec
 
     def _reply(self, dec: engine.Decoder, turn: list[int]) -> Iterator[StepRecord]:
-        m, stops, clock = self.model, self.tokenizer.eos_ids, _Clock(self.model.device,
-                                                                     self.experts)
-        tok, fed = None, True
+        m, stats = self.model, _StatsThrottle(self.experts)
+        steps = engine.decode(dec, [turn], [self.length], [self.settings.max_new_tokens],
+                              self.tokenizer.eos_ids)
+        tok = None  # the last token shown: the loop feeds it only if it runs on
         try:
-            t = clock.now()
-            logits = dec.prefill(0, torch.tensor(turn), self.length)
-            self.length, self._pending = self.length + len(turn), []
-            prefill_s = clock.now() - t
-            t0 = clock.now(sync=False)
-            for n in count(1):
-                # SYNC: the sampled token goes to the host
-                tok, fed = int(logits[-1].argmax()), False
-                now = clock.now(sync=False)
-                stop = _stop(tok, n, self.settings.max_new_tokens, self.length, self.max_len,
-                             stops)
-                fig = Figures(len(turn), prefill_s, n - 1, now - t0, n, self.length,
-                              self.max_len, *_vram(m.device), clock.offload(force=stop is not None))
-                yield StepRecord(0, tok, n, stop, len(turn), prefill_s, now - t0, fig)
-                if stop is not None:
-                    break
-                logits = dec.step(torch.tensor([tok], device=m.device), [self.length])
-                self.length, fed = self.length + 1, True
+            for step in steps:
+                # the turn (and every token shown before this one) is in the state now
+                self.length, self._pending = step.lengths[0], []
+                tok, stop = step.tokens[0], step.stops[0]
+                fig = Figures(len(turn), step.prefill_s[0], step.decode_tokens, step.decode_s,
+                              step.n[0], self.length, self.max_len, *_vram(m.device),
+                              stats(force=stop is not None))
+                yield StepRecord(0, tok, step.n[0], stop, len(turn), step.prefill_s[0],
+                                 step.decode_s, fig)
         except GeneratorExit:
             pass  # closed at a yield: the state is whole, `tok` was shown but not fed
         except BaseException:
             self.reset()  # interrupted inside a step: the state is half-written
             raise
-        if tok is not None and not fed:
+        finally:
+            steps.close()
+        if tok is not None:
             # The turn ends with <|im_end|> (it replaces a stop token); fed with the next turn.
+            stops = self.tokenizer.eos_ids
             self._pending = [self.im_end] if tok in stops else [tok, self.im_end]
-
-
-def _stop(token: int, n: int, limit: int, length: int, max_len: int,
-          stops: frozenset[int]) -> str | None:
-    """Why a sequence ends at its n-th token, if it does (`length` = tokens in its state)."""
-    if token in stops:
-        return "eos"
-    if n >= limit:
-        return "length"
-    if length >= max_len:  # no room to feed this token back
-        return "context"
-    return None
 
 
 def _vram(device: torch.device) -> tuple[int | None, int | None]:

@@ -7,8 +7,9 @@ Nothing else in ftchat reads these variables: the CLI passes `os.environ` in her
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, get_args
 
 from ftchat.errors import FtchatError, SettingsError
 
@@ -24,26 +25,32 @@ ENV_SLIM_COPY = "FREETOKEN_MOE_SLIM_COPY"
 
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
+Prefetch = Literal["off", "measure", "on"]  # off; measure: predict and count only; on: copy
+Eviction = Literal["rule", "lru"]  # see offload/policy.py
+VerifyMode = Literal["meta", "bytes"]
+DeviceName = Literal["auto", "cuda", "cpu"]
+DtypeName = Literal["auto", "float32", "bfloat16"]
+
 
 @dataclass(frozen=True)
 class Settings:
     """Everything a run is configured with; see `resolve_settings` for sources and checks."""
 
-    prefetch: str = "off"  # off | measure | on
+    prefetch: Prefetch = "off"
     budget_gdn: int = 3  # prefetches installed before a GDN layer
     budget_attn: int = 4  # ... before an attention layer
     candidates: int = 16  # router-lookahead top-K
     slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
     expert_vram_gib: float | None = None
-    eviction: str = "rule"  # rule | lru
+    eviction: Eviction = "rule"
     overlap: bool = True  # shared expert runs while the demand copy is in flight
     graph: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
     max_new_tokens: int = 256
     batch_size: int = 1
     context: int | None = None  # KV capacity per sequence; None: model maximum, capped
-    device: str = "auto"  # auto | cuda | cpu
-    dtype: str = "auto"  # auto | float32 | bfloat16
-    verify: str | None = None  # None | meta | bytes
+    device: DeviceName = "auto"
+    dtype: DtypeName = "auto"
+    verify: VerifyMode | None = None
     audit_every: int = 0  # 0: off
     copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
     record_routing: str | None = None
@@ -103,7 +110,9 @@ def _int(minimum: int) -> Callable[[object, str], int]:
     return parse
 
 
-def _choice(*options: str) -> Callable[[object, str], str]:
+def _choice(literal) -> Callable[[object, str], str]:
+    options = get_args(literal)
+
     def parse(value: object, where: str) -> str:
         v = value.strip().lower() if isinstance(value, str) else value
         if v not in options:
@@ -160,20 +169,19 @@ def _bool(value: object, where: str) -> bool:
 
 # field -> (flag key in `flags`, flag as typed, parser, env variable, env parser)
 _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
-    "prefetch": ("prefetch", "--prefetch", _choice("off", "measure", "on"), ENV_PREFETCH,
-                 _choice("off", "measure", "on")),
+    "prefetch": ("prefetch", "--prefetch", _choice(Prefetch), ENV_PREFETCH, _choice(Prefetch)),
     "candidates": ("candidates", "--candidates", _int(1), ENV_K, _int(1)),
     "slots": ("slots", "--slots", _int(1), None, None),
     "expert_vram_gib": ("expert_vram", "--expert-vram", _positive_float, None, None),
-    "eviction": ("eviction", "--eviction", _choice("rule", "lru"), None, None),
+    "eviction": ("eviction", "--eviction", _choice(Eviction), None, None),
     "overlap": ("overlap", "--overlap", _bool, None, None),
     "graph": ("graph", "--graph", _bool, None, None),
     "max_new_tokens": ("max_new_tokens", "--max-new-tokens", _int(1), None, None),
     "batch_size": ("batch_size", "--batch-size", _int(1), None, None),
     "context": ("context", "--context", _int(1), None, None),
-    "device": ("device", "--device", _choice("auto", "cuda", "cpu"), None, None),
-    "dtype": ("dtype", "--dtype", _choice("auto", "float32", "bfloat16"), None, None),
-    "verify": ("verify", "--verify", _choice("meta", "bytes"), ENV_VERIFY, _verify_env),
+    "device": ("device", "--device", _choice(DeviceName), None, None),
+    "dtype": ("dtype", "--dtype", _choice(DtypeName), None, None),
+    "verify": ("verify", "--verify", _choice(VerifyMode), ENV_VERIFY, _verify_env),
     "audit_every": ("audit", "--audit", _int(0), ENV_AUDIT, _int(0)),
     "copy_programs": ("copy_programs", "--copy-programs", _int(0), ENV_SLIM_COPY,
                       _copy_programs_env),
@@ -225,3 +233,35 @@ def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, i
         if flags.get(field) is not None:
             out[field] = parse(flags[field], flag)
     return out
+
+
+# ===== overrides (bench arms): the same parsers, values given as text =====
+
+_TEXT_BOOLS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
+
+
+def override(base: Settings, flags: Mapping[str, str]) -> Settings:
+    """`base` with some flags replaced, each value text (`eviction=lru`, `overlap=0`), parsed
+    and checked exactly as the flag would be; `budget` sets both budgets.
+
+    Raises:
+        SettingsError: naming the flag and the bad value.
+    """
+    values: dict[str, object] = {}
+    by_key = {src[0]: (field, src) for field, src in _SOURCES.items()}
+    for key, text in flags.items():
+        if key in ("budget", "budget_gdn", "budget_attn"):
+            n = _int(0)(text, "--" + key.replace("_", "-"))
+            values.update({f: n for f in ("budget_gdn", "budget_attn")} if key == "budget"
+                          else {key: n})
+            continue
+        if key not in by_key:
+            raise SettingsError(f"unknown setting {key!r}")
+        field, (_, flag, parse, _, _) = by_key[key]
+        if parse is _bool:
+            if text.strip().lower() not in _TEXT_BOOLS:
+                raise _fail(flag, text, "1 or 0")
+            values[field] = _TEXT_BOOLS[text.strip().lower()]
+        else:
+            values[field] = parse(text, flag)
+    return dataclasses.replace(base, **values)

@@ -119,17 +119,17 @@ def test_rule_keeps_a_frequent_expert_that_lru_evicts():
 def test_bands_empty_then_low_then_resident_and_promotion():
     m = SlotMaps.create(2, 4, 4)  # layer 1's ids are 4..7
     p = ensure(m, 0, t([[0]]), LRU)
-    pf = prefetch_ensure(m, 1, t([1]), 1, p.slots, LRU)
+    pf = prefetch_ensure(m, 1, t([1]), 1, p.slots)
     assert plan_lists(pf) == ([5], [1], [1]) and m.key[1] == LOW(1)
     ensure(m, 0, t([[2]]), LRU)
     ensure(m, 0, t([[3]]), LRU)
     assert state(m)[1] == [0, 5, 2, 3]  # empty slots went before the low-priority one
     ensure(m, 0, t([[1]]), LRU)
     assert state(m)[1] == [0, 1, 2, 3]  # low-priority before the older resident in slot 0
-    prefetch_ensure(m, 1, t([0]), 1, t([[1]]), LRU)  # clock 4: id 4 replaces id 0
+    prefetch_ensure(m, 1, t([0]), 1, t([[1]]))  # clock 4: id 4 replaces id 0
     p = ensure(m, 0, t([[3]]), LRU)
     # id 4 is a resident candidate: kept, key unchanged, although it has the lowest key.
-    pf = prefetch_ensure(m, 1, t([0, 2]), 1, p.slots, LRU)
+    pf = prefetch_ensure(m, 1, t([0, 2]), 1, p.slots)
     assert plan_lists(pf) == ([6], [2], [1])
     assert state(m) == (
         [-1, 1, -1, 3, 0, -1, 2, -1],
@@ -147,7 +147,7 @@ def test_bands_empty_then_low_then_resident_and_promotion():
 
 def test_one_prefetch_call_evicts_its_lower_priority_install_first():
     m = SlotMaps.create(1, 8, 4)
-    pf = prefetch_ensure(m, 0, t([3, 1]), 2, NONE, LRU)
+    pf = prefetch_ensure(m, 0, t([3, 1]), 2, NONE)
     assert plan_lists(pf) == ([3, 1], [0, 1], [2]) and state(m)[2][:2] == [LOW(0), LOW(0, 1)]
     ensure(m, 0, t([[2]]), LRU)
     ensure(m, 0, t([[0]]), LRU)
@@ -161,17 +161,17 @@ def test_prefetch_skips_protected_and_resident_and_respects_budget():
     ensure(m, 0, t([[0, 1, 2, 3]]), LRU)  # slots 1..4, key R(2)
     p = ensure(m, 0, t([[2, 3]]), LRU)
     assert p.slots.tolist() == [[3, 4]]
-    pf = prefetch_ensure(m, 1, t([0, 5, 5, 6, 7, 1]), 2, p.slots, LRU)
+    pf = prefetch_ensure(m, 1, t([0, 5, 5, 6, 7, 1]), 2, p.slots)
     assert plan_lists(pf) == ([13, 14], [1, 2], [2])
     slot_of, id_of, key = state(m)
     assert id_of == [8, 13, 14, 2, 3] and key == [R(1), LOW(3), LOW(3, 1), R(3), R(3)]
     assert m.stats.prefetch_installs.tolist() == [0, 2]
     # Only slots 1 and 2 may go; the third install does not happen.
-    pf = prefetch_ensure(m, 1, t([7, 1, 4]), 3, t([[3, 4, 0]]), LRU)
+    pf = prefetch_ensure(m, 1, t([7, 1, 4]), 3, t([[3, 4, 0]]))
     assert plan_lists(pf) == ([15, 9, 16], [2, 1, 5], [2])
     assert state(m)[1] == [8, 9, 15, 2, 3] and m.stats.prefetch_installs.tolist() == [0, 4]
     before = state(m)
-    pf = prefetch_ensure(m, 1, t([2, 3]), 0, NONE, LRU)
+    pf = prefetch_ensure(m, 1, t([2, 3]), 0, NONE)
     assert plan_lists(pf) == ([], [], [0]) and state(m) == before
     assert check_invariants(m) == []
 
@@ -201,7 +201,7 @@ def test_too_few_slots_or_too_large_budget_raise():
     with pytest.raises(ValueError):
         ensure(m, 0, t([[0, 1], [2, 3]]), LRU)
     with pytest.raises(ValueError):
-        prefetch_ensure(m, 0, t([0, 1, 2, 3]), 4, NONE, LRU)
+        prefetch_ensure(m, 0, t([0, 1, 2, 3]), 4, NONE)
     assert same(snapshot(m), before)
 
 
@@ -227,7 +227,7 @@ def test_every_write_goes_through_the_announced_helper():
         if step % 3 == 2:
             prefetch_measure(m, step % 2, t([rng.randrange(8) for _ in range(4)]), 2, t([[1, 2]]))
         elif step % 3 == 1:
-            prefetch_ensure(m, step % 2, t([rng.randrange(8) for _ in range(4)]), 2, p.slots, RULE)
+            prefetch_ensure(m, step % 2, t([rng.randrange(8) for _ in range(4)]), 2, p.slots)
         else:
             p = ensure(m, step % 2, t([rng.sample(range(8), 2), rng.sample(range(8), 2)]), RULE)
         bumps = {n: x._version - before[n] for n, x in tensors(m).items()}
@@ -249,7 +249,7 @@ def test_a_raising_callback_runs_before_any_write():
                 if op == "ensure":
                     ensure(m, 1, t([[3, 4]]), RULE)
                 else:
-                    prefetch_ensure(m, 1, t([3, 4]), 2, NONE, RULE)
+                    prefetch_ensure(m, 1, t([3, 4]), 2, NONE)
             except RuntimeError:
                 assert not should_change
             changed = not same(snapshot(m), before)
@@ -265,12 +265,12 @@ def test_keys_stay_in_their_bands_after_2_to_the_31_steps():
     m = SlotMaps.create(2, 4, 4)
     m.clock.fill_(2**31 - 1)
     p = ensure(m, 0, t([[0]]), LRU)
-    prefetch_ensure(m, 1, t([0]), 1, p.slots, LRU)
+    prefetch_ensure(m, 1, t([0]), 1, p.slots)
     assert state(m)[2][:2] == [RES_BASE + (2**31 << 8) + 1, LOW_BASE + (2**31 << 16) + 0xFFFF]
     m.clock.fill_(2**40 - 100)
     for _ in range(40):  # drive rule's count to its cap on id 0
         p = ensure(m, 0, t([[0]]), RULE)
-        prefetch_ensure(m, 1, t([1, 2]), 2, p.slots, RULE)
+        prefetch_ensure(m, 1, t([1, 2]), 2, p.slots)
     c = 2**40 - 60  # rule's W = min(L, S // M - L) = 2 ticks; ids 5, 6 stay where installed
     assert state(m)[2] == [R(c + 15 * 2, 16), LOW(2**31), LOW(c - 39), LOW(c - 39, 1)]
     assert band_of(m.key[:4]).tolist() == [2, 1, 1, 1] and check_invariants(m) == []
@@ -435,7 +435,7 @@ def test_random_sequences_match_the_model(batch, policy, slots):
             cands = [rng.randrange(experts) for _ in range(rng.randrange(7))]
             budget = rng.randrange(min(5, slots + 1))
             prot = protect if rng.random() < 0.8 else [rng.sample(range(slots), min(3, slots))]
-            pf = prefetch_ensure(m, nxt, t(cands), budget, torch.tensor(prot), policy)
+            pf = prefetch_ensure(m, nxt, t(cands), budget, torch.tensor(prot))
             src, dst, count = model.prefetch(nxt, cands, budget, sum(prot, []))
             assert plan_lists(pf) == (src, dst, [count])
         else:

@@ -45,8 +45,8 @@ def test_dispatchers_on_cpu_give_the_reference_results(policy, bs, monkeypatch):
         p = cache.ensure(ref, layer, ids, policy)
         q = ck.ensure_any(got, layer, ids, policy)
         assert plan(p) == plan(q) and state(ref) == state(got), step
-        p = cache.prefetch_ensure(ref, (layer + 1) % 3, cands, budget, p.slots, policy)
-        q = ck.prefetch_ensure_any(got, (layer + 1) % 3, cands, budget, q.slots, policy)
+        p = cache.prefetch_ensure(ref, (layer + 1) % 3, cands, budget, p.slots)
+        q = ck.prefetch_ensure_any(got, (layer + 1) % 3, cands, budget, q.slots)
         assert plan(p) == plan(q) and state(ref) == state(got), step
     assert sum(ref.stats.prefetch_installs.tolist()) > 0 and sum(ref.stats.hits.tolist()) > 0
 
@@ -60,5 +60,5 @@ def test_dispatchers_call_the_kernels_where_use_triton_holds(monkeypatch):
     m = SlotMaps.create(2, 8, 6)
     before = state(m)
     assert ck.ensure_any(m, 0, torch.tensor([[1, 2]]), LRU) == "plan"
-    assert ck.prefetch_ensure_any(m, 1, torch.tensor([3]), 1, torch.tensor([0]), LRU) == "pplan"
+    assert ck.prefetch_ensure_any(m, 1, torch.tensor([3]), 1, torch.tensor([0])) == "pplan"
     assert calls == ["ensure", "pf"] and state(m) == before

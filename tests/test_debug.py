@@ -163,6 +163,7 @@ def _debug_ops_in_one_decode_step(folder, **settings) -> tuple[int, int]:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ftchat.engine import Decoder
+    from ftchat.session import build_experts as build_with_debug
 
     class Count(TorchDispatchMode):
         total = debug = 0
@@ -173,7 +174,7 @@ def _debug_ops_in_one_decode_step(folder, **settings) -> tuple[int, int]:
             return func(*args, **(kwargs or {}))
 
     m = model(folder)
-    ex = build_experts(m, Settings(slots=SLOTS, **settings))
+    ex = build_with_debug(m, Settings(slots=SLOTS, **settings))
     dec = Decoder(m, ex, 1, 32)
     n = len(PROMPTS[1][0])
     tok = dec.prefill(0, torch.tensor(PROMPTS[1][0]), 0)[-1:].argmax(-1)

@@ -139,7 +139,7 @@ def test_single_writer_negative_control_install_from_the_predictor_stream(tiny_b
     def install_on_predictor(nxt, protect):
         out = []
         ex.streams.run("predictor", lambda: out.append(sc.prefetch_ensure(
-            ex.maps, nxt, ex.cands[nxt], ex.budgets[nxt], protect, ex.policy)))
+            ex.maps, nxt, ex.cands[nxt], ex.budgets[nxt], protect)))
         ex.streams.wait("compute", ex.streams.record("predictor"))  # "behind an event join"
         return out[0]
 

@@ -6,7 +6,8 @@ import json
 import subprocess
 import sys
 
-from ftchat.engine import build_experts, generate
+from ftchat.engine import generate
+from ftchat.session import build_experts
 from ftchat.settings import Settings
 from tests.offload_util import PROMPTS, model
 

@@ -7,6 +7,7 @@ import torch
 
 from ftchat import engine
 from ftchat.errors import FtchatError
+from ftchat.model.expert_backend import ForwardingBackend
 from ftchat.session import Session
 from ftchat.settings import Settings
 
@@ -168,11 +169,12 @@ def test_conversation_full_is_refused_and_kept(tiny_nvfp4):
     assert len(list(s.chat(s.turn_ids("ok")))) >= 1  # a turn that fits still works
 
 
-class _FailingExperts:
+class _FailingExperts(ForwardingBackend):
     """Wraps a backend; raises KeyboardInterrupt inside the n-th decode-step MoE call."""
 
     def __init__(self, inner, fail_at: int | None):
-        self.inner, self.fail_at, self.calls = inner, fail_at, 0
+        super().__init__(inner)
+        self.fail_at, self.calls = fail_at, 0
 
     def begin(self, layer, x, ids):
         if x.shape[0] == 1:  # decode steps only (prefill has T > 1 tokens)
@@ -180,15 +182,6 @@ class _FailingExperts:
             if self.calls == self.fail_at:
                 raise KeyboardInterrupt
         return self.inner.begin(layer, x, ids)
-
-    def finish(self, pending, x, weights):
-        return self.inner.finish(pending, x, weights)
-
-    def end_step(self):
-        self.inner.end_step()
-
-    def for_prefill(self):
-        return self.inner.for_prefill()
 
 
 @pytest.mark.parametrize("fail_at", [None, 9])
@@ -208,9 +201,9 @@ def test_interrupt_inside_a_step_resets_the_conversation(tiny_nvfp4, fail_at):
         r.token for r in fresh.chat(fresh.turn_ids("hi"))]
 
 
-def test_close_reaches_a_backend_that_has_close(tiny_nvfp4):
+def test_close_reaches_the_backend(tiny_nvfp4):
     base = Session.open(tiny_nvfp4, Settings())
-    base.close()  # the resident backend has no close(): nothing to do
+    base.close()  # the resident backend's close() has nothing to do
 
     class Closing(_FailingExperts):
         closed = 0

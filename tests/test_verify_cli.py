@@ -26,6 +26,23 @@ def test_verify_clean_exits_zero(tiny_nvfp4):
     assert out["audits"] > 0 and out["bad_slots"] == 0
 
 
+def test_verify_audits_every_prompt_even_a_short_one(tiny_nvfp4):
+    # 12 tokens never reach an audit interval of 64: the end-of-prompt audit still runs
+    res = _verify(tiny_nvfp4, "--audit-every", "64")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["audits"] == 3 and [v["audits"] for v in out["per_prompt"]] == [1, 1, 1]
+
+
+def test_verify_that_audited_nothing_fails(tiny_nvfp4, monkeypatch):
+    from ftchat.debug.audit import SlotAudit
+
+    monkeypatch.setattr(SlotAudit, "audit", lambda self, view: None)  # the check never runs
+    res = _verify(tiny_nvfp4)
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines() == ["error: no slot audit ran"]
+
+
 def test_verify_catches_a_missing_join(tiny_nvfp4, monkeypatch):
     monkeypatch.setattr(OffloadExperts, "_join", lambda self, layer: None)
     res = _verify(tiny_nvfp4)
@@ -40,7 +57,7 @@ def test_audit_and_bench_commands(tiny_bf16):
                               "--device", "cpu", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["audits"] == 19 // 4 and out["bad_slots"] == 0
+    assert out["audits"] == 19 // 4 + 1 and out["bad_slots"] == 0  # every 4 steps, and the end
     res = runner.invoke(app, ["bench", str(tiny_bf16), "--arms", "resident;off;on:budget=4",
                               "--context", "32", "--steps", "3", "--rounds", "1", "--slots", "20",
                               "--device", "cpu", "--json"])

@@ -1,8 +1,11 @@
-"""Debug modes: the verifier, the slot audit, and how they attach to the offload backend."""
+"""Debug modes: the verifier, the slot audit, the routing recorder, and how the settings turn
+them on. The engine never imports this package: whoever builds a backend passes these hooks in."""
 
 from __future__ import annotations
 
+
 from ftchat.offload.hooks import Hooks
+from ftchat.settings import Settings
 
 
 class HookChain(Hooks):
@@ -12,6 +15,7 @@ class HookChain(Hooks):
         self.hooks = hooks
         writers = [h.on_map_write for h in hooks if h.on_map_write is not None]
         self.on_map_write = (lambda name: [w(name) for w in writers]) if writers else None
+        self.reads_candidates = any(h.reads_candidates for h in hooks)
 
     def before_copy(self, *a) -> None:
         for h in self.hooks:
@@ -32,3 +36,32 @@ class HookChain(Hooks):
     def end_step(self, *a) -> None:
         for h in self.hooks:
             h.end_step(*a)
+
+    def figures(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for h in self.hooks:
+            out.update(h.figures())
+        return out
+
+    def close(self) -> None:
+        for h in self.hooks:
+            h.close()
+
+
+def hooks_for(settings: Settings, num_layers: int, num_slots: int, device) -> Hooks | None:
+    """The verifier, slot audit and routing recorder the settings ask for (None: all off)."""
+    from ftchat.debug.audit import SlotAudit
+    from ftchat.debug.routing import RoutingRecorder
+    from ftchat.debug.verify import Verifier
+
+    hooks: list[Hooks] = []
+    if settings.verify:
+        hooks.append(Verifier(settings.verify, num_layers, device))
+    if settings.audit_every:
+        hooks.append(SlotAudit(settings.audit_every, num_slots, device))
+    if settings.record_routing:
+        hooks.append(RoutingRecorder(settings.record_routing, num_layers))
+    return None if not hooks else hooks[0] if len(hooks) == 1 else HookChain(hooks)
+
+
+__all__ = ["HookChain", "hooks_for"]

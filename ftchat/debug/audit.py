@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from ftchat.offload.hooks import Hooks
+from ftchat.offload.hooks import BackendView, Hooks
+from ftchat.offload.streams import NAMES as STREAMS
 
-STREAMS = ("compute", "predictor", "copy", "prefetch")
 KINDS = ("demand", "prefetch")
 
 
@@ -25,29 +25,32 @@ class SlotAudit(Hooks):
         self.audits = 0
         self.bad: list[dict] = []
 
-    def after_copy(self, b, plan, layer: int, kind: str) -> None:
+    def after_copy(self, v: BackendView, plan, layer: int, kind: str) -> None:
         live = torch.arange(plan.dst.shape[0], device=plan.dst.device) < plan.count
         dst = torch.where(live, plan.dst.long(), self.writers.shape[0] - 1)  # masked -> sink row
-        who = torch.tensor([STREAMS.index(b.streams.current), layer, b.step, KINDS.index(kind)],
+        who = torch.tensor([STREAMS.index(v.stream), layer, v.step, KINDS.index(kind)],
                            device=self.writers.device)
         self.writers.index_copy_(0, dst, who.expand(dst.shape[0], 4))
 
-    def end_step(self, b) -> None:
-        if b.step % self.every == 0:
-            self.audit(b)
+    def end_step(self, v: BackendView) -> None:
+        if v.step % self.every == 0:
+            self.audit(v)
 
-    def audit(self, b) -> None:
+    def audit(self, v: BackendView) -> None:
         """Byte-check every held slot. SYNC: debug only, every N steps."""
-        S = b.bank.shape[0] - 1
-        held = b.maps.id_of[:S].long()
+        S = v.bank.shape[0] - 1
+        held = v.maps.id_of[:S].long()
         slots = (held >= 0).nonzero().squeeze(1)
         ids = held[slots]
-        host = b.host[ids.to(b.host.device)].to(b.bank.device)
-        bad = (b.bank[slots] != host).any(-1)
+        host = v.host_rows[ids.to(v.host_rows.device)].to(v.bank.device)
+        bad = (v.bank[slots] != host).any(-1)
         for s, e in zip(slots[bad].tolist(), ids[bad].tolist()):
             w = self.writers[s].tolist()
-            self.bad.append({"step": b.step, "slot": s, "expert": e,
+            self.bad.append({"step": v.step, "slot": s, "expert": e,
                              "writer": None if w[0] < 0 else {
                                  "stream": STREAMS[w[0]], "layer": w[1], "step": w[2],
                                  "kind": KINDS[w[3]]}})
         self.audits += 1
+
+    def figures(self) -> dict[str, int]:
+        return {"audits": self.audits, "audit_bad_slots": len(self.bad)}

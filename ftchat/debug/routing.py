@@ -1,8 +1,9 @@
 """`--record-routing FILE`: per decode token and layer, the routed expert ids and the router
-lookahead's candidates for the next layer (computed from this layer's router input).
+lookahead's candidates for the next layer, exactly as the backend computed them for prefetch.
 
 One JSON line per decode step: {"step": n, "routed": [[ids of layer 0], ...],
-"candidates": [[top-K of layer 1 predicted at layer 0], ...]} (bs 1: the first sequence).
+"candidates": [[top-C of layer 1 predicted at layer 0], ...]}. Routed ids are the first
+sequence's; the candidates are the batch's (the lookahead sums the rows' probabilities).
 """
 
 from __future__ import annotations
@@ -10,29 +11,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from ftchat.offload.hooks import Hooks
+from ftchat.offload.hooks import BackendView, Hooks
 
 
 class RoutingRecorder(Hooks):
-    def __init__(self, path: str | Path, routers: list[torch.Tensor], k: int = 16):
+    reads_candidates = True  # the backend runs its lookahead even with prefetch off
+
+    def __init__(self, path: str | Path, num_layers: int):
         self.file = open(path, "w", buffering=1)  # line-buffered: complete lines on disk
-        self.routers, self.k = routers, k
+        self.num_layers = num_layers
         self.routed: list[list[int]] = []
         self.cands: list[list[int]] = []
 
-    def before_kernel(self, b, p) -> None:
-        ids = p.ids[0].tolist()  # SYNC: recording only
-        self.routed.append(ids)
-        if p.layer + 1 < len(self.routers):
-            x = getattr(p, "x", None)
-            if x is not None:
-                probs = torch.softmax(x[:1].float() @ self.routers[p.layer + 1].float().T, -1)
-                self.cands.append(probs[0].topk(self.k).indices.tolist())
+    def before_kernel(self, v: BackendView, p) -> None:
+        self.routed.append(p.ids[0].tolist())  # SYNC: recording only
+        if p.layer + 1 < self.num_layers:
+            self.cands.append(v.candidates(p.layer + 1).tolist())
 
-    def end_step(self, b) -> None:
-        self.file.write(json.dumps({"step": b.step, "routed": self.routed,
+    def end_step(self, v: BackendView) -> None:
+        self.file.write(json.dumps({"step": v.step, "routed": self.routed,
                                     "candidates": self.cands}) + "\n")
         self.routed, self.cands = [], []
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ftchat.debug.records import RecordBuffer
-from ftchat.offload.hooks import Hooks
+from ftchat.offload.hooks import BackendView, Hooks
 
 MAP_MISMATCH, PENDING_COPY, BYTES_BEFORE, BYTES_AFTER = 1, 2, 3, 4
 WHAT = {MAP_MISMATCH: "slot maps disagree", PENDING_COPY: "a copy into the slot is still in flight",
@@ -31,43 +31,44 @@ class Verifier(Hooks):
         # stamp[kind, layer] = 1 + step of the last completed copy (written on the copy's stream)
         self.stamp = torch.zeros(len(KINDS), num_layers, dtype=torch.int64, device=device)
         self.issued: dict[tuple[str, int], tuple[object, int]] = {}  # (kind, layer) -> plan, step
-        self.checks = 0
 
-    def before_copy(self, b, plan, layer: int, kind: str) -> None:
-        self.issued[kind, layer] = (plan, b.step)
+    def before_copy(self, v: BackendView, plan, layer: int, kind: str) -> None:
+        self.issued[kind, layer] = (plan, v.step)
 
-    def after_copy(self, b, plan, layer: int, kind: str) -> None:
-        self.stamp[KINDS.index(kind), layer] = b.step + 1
+    def after_copy(self, v: BackendView, plan, layer: int, kind: str) -> None:
+        self.stamp[KINDS.index(kind), layer] = v.step + 1
 
-    def before_kernel(self, b, p) -> None:
-        if p.bank is not b.bank:  # prefill reads the host rows: nothing to check
+    def before_kernel(self, v: BackendView, p) -> None:
+        if p.bank is not v.bank:  # prefill reads the host rows: nothing to check
             return
-        gid = p.ids.flatten() + p.layer * b.num_experts  # [T*K] global expert ids
+        gid = p.ids.flatten() + p.layer * v.num_experts  # [T*K] global expert ids
         slot = p.slots.flatten().long()
-        bad = (b.maps.slot_of[gid].long() != slot) | (b.maps.id_of[slot].long() != gid)
-        self.records.add(bad, b.step, p.layer, gid, slot, MAP_MISMATCH)
+        bad = (v.maps.slot_of[gid].long() != slot) | (v.maps.id_of[slot].long() != gid)
+        self.records.add(bad, v.step, p.layer, gid, slot, MAP_MISMATCH)
         for (kind, layer), (plan, step) in self.issued.items():
-            if layer < p.layer or step != b.step:
+            if layer < p.layer or step != v.step:
                 continue
             live = torch.arange(plan.dst.shape[0], device=slot.device) < plan.count
             targets = (slot[:, None] == torch.where(live, plan.dst.long(), -1)[None]).any(1)
             done = self.stamp[KINDS.index(kind), layer] == step + 1
             # copies for this layer must be complete; copies for later layers must not touch it
             bad = targets & ~done if layer == p.layer else targets
-            self.records.add(bad, b.step, p.layer, gid, slot, PENDING_COPY)
+            self.records.add(bad, v.step, p.layer, gid, slot, PENDING_COPY)
         if self.mode == "bytes":
-            self._bytes(b, p, BYTES_BEFORE)
-        self.checks += 1
+            self._bytes(v, p, BYTES_BEFORE)
 
-    def after_kernel(self, b, p) -> None:
-        if self.mode == "bytes" and p.bank is b.bank:
-            self._bytes(b, p, BYTES_AFTER)
+    def after_kernel(self, v: BackendView, p) -> None:
+        if self.mode == "bytes" and p.bank is v.bank:
+            self._bytes(v, p, BYTES_AFTER)
 
-    def _bytes(self, b, p, what: int) -> None:
-        gid = p.ids.flatten() + p.layer * b.num_experts
+    def _bytes(self, v: BackendView, p, what: int) -> None:
+        gid = p.ids.flatten() + p.layer * v.num_experts
         slot = p.slots.flatten().long()
-        host = b.host[gid.to(b.host.device)].to(b.bank.device, non_blocking=True)
-        self.records.add((b.bank[slot] != host).any(-1), b.step, p.layer, gid, slot, what)
+        host = v.host_rows[gid.to(v.host_rows.device)].to(v.bank.device, non_blocking=True)
+        self.records.add((v.bank[slot] != host).any(-1), v.step, p.layer, gid, slot, what)
 
     def report(self) -> list[dict]:
         return [{**r, "what": WHAT[r["what"]]} for r in self.records.read()]
+
+    def figures(self) -> dict[str, int]:
+        return {"verify_records": len(self.report())}

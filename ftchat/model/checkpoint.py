@@ -36,7 +36,7 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise ModelError(f"{self.folder}: no such model folder")
         self.hf_config = read_config_json(self.folder)
-        self.args = ModelArgs.from_hf(self.hf_config)
+        self.args = ModelArgs.from_hf(self.hf_config, str(self.folder / "config.json"))
         self.files = self._index()  # tensor name -> shard path
         self.prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in self.files), None)
         if self.prefix is None:
@@ -67,7 +67,8 @@ class Checkpoint:
             try:
                 h = self._handles[path] = safe_open(str(path), framework="pt")
             except (SafetensorError, OSError, ValueError) as e:
-                raise ModelError(f"{path}: unreadable safetensors file ({e})") from None
+                raise ModelError(f"{path}: unreadable safetensors file ({e}); it is damaged or "
+                                 "incomplete: download it again") from None
         return h
 
     def has(self, name: str) -> bool:
@@ -179,6 +180,43 @@ class Checkpoint:
         got = tuple(self._open(path).get_slice(full).get_shape())
         if got != tuple(shape):
             raise ModelError(f"{path}: tensor {full} has shape {list(got)}, expected {list(shape)}")
+
+    def check_shapes(self) -> None:
+        """Every dense tensor and the first routed expert against config.json, from the file
+        headers alone (no tensor is read): a config that does not describe these weights is an
+        error here, not a report of the wrong sizes."""
+        a = self.args
+        for name, spec in dense_specs(a).items():
+            self._check_shape(name, spec.shape, spec.quantizable)
+        self._check_shape("lm_head.weight", (a.vocab_size, a.hidden_size), True)
+        stacked = "layers.0.mlp.experts.gate_up_proj"
+        if self.format == BF16 and self.has(stacked):
+            E, I, H = a.num_experts, a.moe_intermediate_size, a.hidden_size
+            self._check_shape(stacked, (E, 2 * I, H))
+            self._check_shape("layers.0.mlp.experts.down_proj", (E, H, I))
+        else:
+            for proj, shape in expert_specs(a).items():
+                self._check_shape(expert_name(0, 0, proj) + ".weight", shape, True)
+
+    def _check_shape(self, name: str, shape: tuple[int, ...], nvfp4_ok: bool = False) -> None:
+        """The header shape of `name`; with nvfp4_ok, NVFP4 storage (packed [N, K/2]) counts."""
+        if nvfp4_ok:
+            base = name[: -len(".weight")]
+            for dialect in nvfp4.DIALECTS:
+                names = nvfp4.tensor_names(dialect, base)
+                if self.has(names["packed"]) and self.has(names["block_scale"]) and (
+                        dialect != nvfp4.MODELOPT or self.has(names["global"])):
+                    name, shape = names["packed"], (shape[0], shape[1] // 2)
+                    break
+        full = self._full(name)
+        path = self.files.get(full)
+        if path is None:
+            raise ModelError(f"{self.folder}: tensor {full} missing from the checkpoint; "
+                             "config.json does not describe these weights")
+        got = tuple(self._open(path).get_slice(full).get_shape())
+        if got != tuple(shape):
+            raise ModelError(f"{path}: tensor {full} has shape {list(got)}, config.json implies "
+                             f"{list(shape)}: config.json does not describe these weights")
 
     def _ngram_table(self, name: str, parts: list[str], dtype: torch.dtype,
                      in_place_bytes: int) -> Tensor | NGramTable:

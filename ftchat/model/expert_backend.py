@@ -60,3 +60,38 @@ class ExpertBackend(Protocol):
 
     def after_capture(self) -> None:
         """The capture is done: undo the warm-up's effects."""
+
+
+class ForwardingBackend:
+    """An ExpertBackend that forwards every call to `inner`: subclass it to watch or alter
+    some calls (tests, routing capture)."""
+
+    def __init__(self, inner: ExpertBackend):
+        self.inner = inner
+
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
+        return self.inner.begin(layer, x, ids)
+
+    def finish(self, pending: Pending, x: Tensor, weights: Tensor) -> Tensor:
+        return self.inner.finish(pending, x, weights)
+
+    def end_step(self, tokens: int) -> None:
+        self.inner.end_step(tokens)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def stats(self) -> Mapping[str, float | int | None]:
+        return self.inner.stats()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def for_prefill(self) -> ExpertBackend:
+        return self.inner.for_prefill()
+
+    def before_capture(self) -> None:
+        self.inner.before_capture()
+
+    def after_capture(self) -> None:
+        self.inner.after_capture()

@@ -35,10 +35,6 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    return F.linear(x, w)
-
-
 def swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
     return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
 

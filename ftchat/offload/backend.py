@@ -18,18 +18,23 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from ftchat.model.expert_backend import ExpertBackend, Pending
 from ftchat.model.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.expert_kernels import routed_experts_any
-from ftchat.offload.hooks import Hooks
+from ftchat.offload.hooks import BackendView, Hooks
 from ftchat.offload.policy import POLICIES
 from ftchat.offload.streams import CpuStreams, CudaStreams
+
+if TYPE_CHECKING:
+    from ftchat.settings import Settings
 
 
 def router_lookahead(x: Tensor, router: Tensor, k: int) -> Tensor:
@@ -39,46 +44,62 @@ def router_lookahead(x: Tensor, router: Tensor, k: int) -> Tensor:
     return probs.sum(0).topk(k).indices
 
 
-class ResidentExperts:
+class _NoCache:
+    """Lifecycle and figures of a backend that caches nothing: every call is a no-op."""
+
+    def end_step(self, tokens: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def stats(self) -> dict[str, float | int | None]:
+        return {}  # no cache, no offload figures
+
+    def close(self) -> None:
+        pass
+
+    def before_capture(self) -> None:
+        pass
+
+    def after_capture(self) -> None:
+        pass
+
+
+class ResidentExperts(_NoCache):
     """Every expert resident: rows [L*E, R]; the slot of (layer, e) is layer*E + e."""
 
     def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int):
         self.rows, self.layout, self.num_experts = rows, layout, num_experts
 
-    def begin(self, layer: int, x: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        return ids, (ids + layer * self.num_experts).to(torch.int32)
+    def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
+        return Pending(layer, ids, (ids + layer * self.num_experts).to(torch.int32), self.rows)
 
-    def finish(self, pending: tuple[Tensor, Tensor], x: Tensor, weights: Tensor) -> Tensor:
-        ids, slots = pending
-        return routed_experts_any(x, self.rows, self.layout, slots, ids, weights)
+    def finish(self, pending: Pending, x: Tensor, weights: Tensor) -> Tensor:
+        p = pending
+        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
 
-    def end_step(self) -> None:
-        pass
-
-    def for_prefill(self) -> "ResidentExperts":
+    def for_prefill(self) -> ResidentExperts:
         return self
 
 
 @dataclass(frozen=True)
 class OffloadConfig:
+    """What the offload backend takes from the Settings (which own every default)."""
+
     num_slots: int
-    policy: str = "rule"  # rule | lru
-    prefetch: str = "off"  # off | measure | on
-    budget_gdn: int = 3  # prefetch budget when the prefetched layer is GDN
-    budget_attn: int = 4  # ... when it is attention
-    candidates: int = 16
-    overlap: bool = True
-    copy_programs: int = 8
+    policy: str  # Eviction: rule | lru
+    prefetch: str  # Prefetch: off | measure | on
+    budget_gdn: int  # prefetch budget when the prefetched layer is GDN
+    budget_attn: int  # ... when it is attention
+    candidates: int  # router-lookahead top-K (at most the layer's experts)
+    overlap: bool
+    copy_programs: int
 
-
-@dataclass(frozen=True)
-class Pending:
-    layer: int
-    ids: Tensor  # [T, K]
-    slots: Tensor  # [T, K] int32 slot (or host row) of each routed expert
-    bank: Tensor  # the rows the expert kernel reads
-    ready: object  # event: the demand copy of this layer is done
-    x: Tensor | None = None  # the router input (debug recorders read it)
+    @classmethod
+    def from_settings(cls, s: Settings, num_slots: int, num_experts: int) -> OffloadConfig:
+        return cls(num_slots, s.eviction, s.prefetch, s.budget_gdn, s.budget_attn,
+                   min(s.candidates, num_experts), s.overlap, s.copy_programs)
 
 
 class OffloadExperts:
@@ -95,6 +116,8 @@ class OffloadExperts:
         self.budgets = [cfg.budget_attn if i in attention_layers else cfg.budget_gdn
                         for i in range(self.num_layers)]
         self.streams, self.hooks = streams, hooks or Hooks()
+        # the router lookahead runs for prefetch, and for a hook that records its candidates
+        self.predicts = cfg.prefetch != "off" or self.hooks.reads_candidates
         # ===== fixed-address state (a captured graph reads and writes these) =====
         self.policy = POLICIES[cfg.policy]
         self.maps = sc.SlotMaps.create(self.num_layers, self.num_experts, cfg.num_slots, device)
@@ -108,8 +131,9 @@ class OffloadExperts:
         self.prefetch_done: list[object] = [None] * self.num_layers
         self.step = 0  # decode steps so far (debug records)
         self.staged: StagedExperts | None = None
-        self.batch, self.tokens, self.started = 1, 0, None  # figures for stats()
+        self.tokens, self.started = 0, None  # figures for stats()
         self.live: list[tuple | None] = [None] * self.num_layers  # see begin()
+        self.view = BackendView(self)  # what the hooks may read
 
     # ===== ExpertBackend =====
     def for_prefill(self) -> ResidentExperts | StagedExperts:
@@ -124,17 +148,23 @@ class OffloadExperts:
         return self.staged
 
     def reset(self) -> None:
-        """Empty the cache in place (after CUDA-graph warm-up); addresses are kept."""
+        """Empty the cache in place and zero the figures; addresses are kept (graphs)."""
         sc.clear(self.maps)
         self.tokens, self.started = 0, None
         self.measured.zero_()
         self.cands.zero_()
 
+    def before_capture(self) -> None:
+        pass  # the warm-up and capture run real steps: after_capture undoes them
+
+    def after_capture(self) -> None:
+        self.reset()
+        self.step = 0
+
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         s, cfg = self.streams, self.cfg
-        self.batch = x.shape[0]
         nxt = layer + 1 if layer + 1 < self.num_layers else None
-        if cfg.prefetch != "off" and nxt is not None:
+        if self.predicts and nxt is not None:
             self._predict(nxt, x)
         if cfg.prefetch == "measure" and layer > 0:
             self._measure(layer, ids)  # the maps are as they were when the candidates were made
@@ -145,12 +175,12 @@ class OffloadExperts:
             s.wait("compute", self.pred_done[nxt])
             pplan = self._install_prefetch(nxt, plan.slots)
         s.hand_off("copy", plan.src, plan.dst, plan.count)
-        self.hooks.before_copy(self, plan, layer, "demand")
+        self.hooks.before_copy(self.view, plan, layer, "demand")
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
         demand_done = s.record("copy")
         if pplan is not None:
             s.wait("prefetch", demand_done)
-            self.hooks.before_copy(self, pplan, nxt, "prefetch")
+            self.hooks.before_copy(self.view, pplan, nxt, "prefetch")
             s.hold("prefetch", pplan.src, pplan.dst, pplan.count)
             s.run("prefetch", lambda: self._copy(pplan, nxt, "prefetch"))
             self.prefetch_done[nxt] = s.record("prefetch")
@@ -160,31 +190,34 @@ class OffloadExperts:
         # this layer's next step keeps the allocator (or a graph capture) from reusing the memory
         # while a delayed copy or predictor still reads it.
         self.live[layer] = (plan, pplan, x)
-        return Pending(layer, ids, plan.slots, self.bank, demand_done, x)
+        return Pending(layer, ids, plan.slots, self.bank, demand_done)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
         self.streams.wait("compute", p.ready)
-        self.hooks.before_kernel(self, p)
+        self.hooks.before_kernel(self.view, p)
         out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
-        self.hooks.after_kernel(self, p)
+        self.hooks.after_kernel(self.view, p)
         return out
 
-    def end_step(self) -> None:
-        """Called after each decode step (debug audits count steps)."""
+    def end_step(self, tokens: int) -> None:
+        """A decode step of `tokens` tokens is complete (debug audits count steps)."""
         self.step += 1
-        self.tokens += self.batch
+        self.tokens += tokens
         if self.started is None:
             self.started = time.perf_counter()
-        self.hooks.end_step(self)
+        self.hooks.end_step(self.view)
 
-    def stats(self) -> dict[str, float]:
-        """Offload figures for the panel and --json. SYNC: reads device counters (call rarely)."""
+    def stats(self) -> dict[str, float | int | None]:
+        """Offload figures for the panel, bench and --json; misses, hits, prefetch_installs and
+        prefetch_useful are running totals. SYNC: reads device counters (call rarely)."""
         st = self.maps.stats
         hits, misses = int(st.hits.sum()), int(st.misses.sum())
         installs, useful = int(st.prefetch_installs.sum()), int(st.prefetch_useful.sum())
         copied = (misses + installs) * self.layout.nbytes
         elapsed = time.perf_counter() - self.started if self.started else 0.0
         out = {"slots": self.cfg.num_slots, "decode_tokens": self.tokens,
+               "misses": misses, "hits": hits, "prefetch_installs": installs,
+               "prefetch_useful": useful,
                "misses_per_token": misses / self.tokens if self.tokens else None,
                "hit_rate": hits / (hits + misses) if hits + misses else None,
                "copy_gb": copied / 1e9,
@@ -199,19 +232,18 @@ class OffloadExperts:
             selected, useful, missed = self.measured.sum(0).tolist()
             out.update(useful_prefetches=useful, precision=useful / selected if selected else None,
                        covered_misses=useful / missed if missed else None)
-        for h in getattr(self.hooks, "hooks", [self.hooks]):  # debug figures, when on
-            if hasattr(h, "report"):
-                out["verify_records"] = len(h.report())
-            if hasattr(h, "audits"):
-                out["audits"], out["audit_bad_slots"] = h.audits, len(h.bad)
+        out.update(self.hooks.figures())  # debug figures, when hooks watch
         return out
 
     def close(self) -> None:
-        for h in getattr(self.hooks, "hooks", [self.hooks]):
-            if hasattr(h, "close"):
-                h.close()
+        self.hooks.close()
 
     # ===== parts =====
+    def candidates(self, layer: int) -> Tensor:
+        """The lookahead's candidates [C] for `layer` (made at layer - 1), once they exist."""
+        self.streams.wait("compute", self.pred_done[layer])
+        return self.cands[layer]
+
     def _run_compute(self, fn):
         out = []
         self.streams.run("compute", lambda: out.append(fn()))
@@ -225,7 +257,7 @@ class OffloadExperts:
     def _install_prefetch(self, nxt: int, protect: Tensor) -> sc.PrefetchPlan:
         """prefetch_ensure(nxt) on the compute stream: the maps have one writer."""
         return self._run_compute(lambda: prefetch_ensure_any(
-            self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect, self.policy))
+            self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect))
 
     def _predict(self, nxt: int, x: Tensor) -> None:
         """Layer nxt's router on this layer's router input, on the predictor stream."""
@@ -246,10 +278,10 @@ class OffloadExperts:
     def _copy(self, plan, layer: int, kind: str) -> None:
         """Runs on the copy's own stream."""
         copy_rows(self.host, self.bank, plan.src, plan.dst, plan.count, self.cfg.copy_programs)
-        self.hooks.after_copy(self, plan, layer, kind)
+        self.hooks.after_copy(self.view, plan, layer, kind)
 
 
-class StagedExperts:
+class StagedExperts(_NoCache):
     """Prefill on CUDA: each layer's routed experts are copied into a staging area [E+1, R]
     separate from the slot cache, then read from there. Experts the slot cache holds are copied
     from their slots (device to device) instead of crossing PCIe again; the maps are only read.
@@ -300,8 +332,5 @@ class StagedExperts:
         self.streams.wait("compute", p.ready)
         return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
 
-    def end_step(self) -> None:
-        pass
-
-    def for_prefill(self) -> "StagedExperts":
+    def for_prefill(self) -> StagedExperts:
         return self

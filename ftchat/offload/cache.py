@@ -251,7 +251,6 @@ def prefetch_ensure(
     candidates: Tensor,
     budget: int,
     protect: Tensor,
-    policy: EvictionPolicy,
 ) -> PrefetchPlan:
     """Install the first `budget` non-resident candidates of `layer` into low-priority slots.
 
@@ -259,9 +258,8 @@ def prefetch_ensure(
         candidates: [C] local expert ids of `layer`, best first (duplicates and residents allowed).
         budget: most installs, also the plan's fixed size.
         protect: slots being read (the previous demand plan's [B, K] slots): never evicted.
-        policy: unused (low-priority keys do not depend on it); kept for a uniform call.
+    Low-priority keys do not depend on the eviction policy, so it takes none.
     """
-    del policy
     _check_budget(maps, budget)
     n, s = maps.num_ids, maps.num_slots
     gid = candidates.reshape(-1).long() + layer * maps.num_experts  # [C]

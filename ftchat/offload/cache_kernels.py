@@ -294,10 +294,9 @@ def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_
 
 
 def prefetch_ensure_triton(maps: SlotMaps, layer: int, candidates: Tensor, budget: int,
-                           protect: Tensor, policy: EvictionPolicy, tile: int | None = None,
+                           protect: Tensor, tile: int | None = None,
                            num_warps: int | None = None) -> PrefetchPlan:
-    """cache.prefetch_ensure as one kernel launch (grid 1); `policy` unused, as there."""
-    del policy
+    """cache.prefetch_ensure as one kernel launch (grid 1)."""
     cache._check_budget(maps, budget)
     assert candidates.device == protect.device == maps.key.device
     n, s, dev = maps.num_ids, maps.num_slots, maps.key.device
@@ -336,8 +335,8 @@ def ensure_any(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolicy) 
 
 
 def prefetch_ensure_any(maps: SlotMaps, layer: int, candidates: Tensor, budget: int,
-                        protect: Tensor, policy: EvictionPolicy) -> PrefetchPlan:
+                        protect: Tensor) -> PrefetchPlan:
     """cache.prefetch_ensure: the fused kernel on CUDA, else the torch reference."""
     if use_triton(maps):
-        return prefetch_ensure_triton(maps, layer, candidates, budget, protect, policy)
-    return cache.prefetch_ensure(maps, layer, candidates, budget, protect, policy)
+        return prefetch_ensure_triton(maps, layer, candidates, budget, protect)
+    return cache.prefetch_ensure(maps, layer, candidates, budget, protect)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ftchat.settings import DEFAULT_COPY_PROGRAMS
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 
-DEFAULT_PROGRAMS = 8  # slim copy: 8 programs reach ~50 GB/s on the H200's PCIe 5 link
 BLOCK_BYTES = 16384  # bytes a program moves per work item
 
 
@@ -71,7 +71,7 @@ def _copy_rows_kernel(host_ptr, bank_ptr, src_ptr, dst_ptr, count_ptr, M, ROW,
 
 
 def copy_rows_triton(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor,
-                     programs: int = DEFAULT_PROGRAMS, block_bytes: int = BLOCK_BYTES,
+                     programs: int = DEFAULT_COPY_PROGRAMS, block_bytes: int = BLOCK_BYTES,
                      num_warps: int = 4) -> None:
     """The Triton copy: `programs` programs loop over (entry, block) work items; rows are moved
     as int32 words (16-byte vector loads) when R % 4 == 0. Entries >= count are not touched."""
@@ -86,7 +86,7 @@ def copy_rows_triton(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count
 
 
 def copy_rows(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor,
-              programs: int = DEFAULT_PROGRAMS) -> None:
+              programs: int = DEFAULT_COPY_PROGRAMS) -> None:
     """Carry out a copy plan: bank[dst[i]] = host[src[i]] for i < count.
 
     Args:

@@ -40,6 +40,3 @@ def pin(rows: Tensor) -> None:
             f"cudaHostRegister refused to pin {nbytes / 2**30:.1f} GiB of expert rows (error "
             f"{int(rc)}); raise the locked-memory limit (ulimit -l) or free host memory")
 
-
-def unpin(rows: Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(rows.data_ptr())

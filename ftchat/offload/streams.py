@@ -13,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
-NAMES = ("compute", "predictor", "copy", "prefetch")
+StreamName = Literal["compute", "predictor", "copy", "prefetch"]
+NAMES: tuple[StreamName, ...] = get_args(StreamName)
 
 
 @dataclass
@@ -27,12 +29,12 @@ class _Queue:
 
 @dataclass(frozen=True)
 class CpuEvent:
-    stream: str
+    stream: StreamName
     position: int
 
 
 class _HandOff:
-    def hand_off(self, stream: str, *inputs: torch.Tensor) -> None:
+    def hand_off(self, stream: StreamName, *inputs: torch.Tensor) -> None:
         """`stream` waits for all compute work issued so far and keeps `inputs` (what its next
         work reads) alive. Taking the inputs as arguments makes them exist before the event is
         recorded: a tensor the compute stream writes after the record races with the side
@@ -49,16 +51,16 @@ class CpuStreams(_HandOff):
         self.queues = {n: _Queue() for n in NAMES}
         self.current = "compute"
 
-    def run(self, stream: str, fn: Callable[[], None]) -> None:
+    def run(self, stream: StreamName, fn: Callable[[], None]) -> None:
         if stream == "compute":
             self._call("compute", fn)
         else:
             self.queues[stream].items.append(("fn", fn))
 
-    def record(self, stream: str) -> CpuEvent:
+    def record(self, stream: StreamName) -> CpuEvent:
         return CpuEvent(stream, len(self.queues[stream].items))
 
-    def wait(self, stream: str, event: CpuEvent | None) -> None:
+    def wait(self, stream: StreamName, event: CpuEvent | None) -> None:
         if event is None or event.stream == stream:
             return
         if stream == "compute":
@@ -70,10 +72,10 @@ class CpuStreams(_HandOff):
         for n in NAMES[1:]:
             self._flush(n, len(self.queues[n].items))
 
-    def hold(self, stream: str, *tensors: torch.Tensor) -> None:
+    def hold(self, stream: StreamName, *tensors: torch.Tensor) -> None:
         """Keep tensors alive for work queued on `stream` (nothing to do here)."""
 
-    def _flush(self, stream: str, upto: int) -> None:
+    def _flush(self, stream: StreamName, upto: int) -> None:
         q = self.queues[stream]
         while q.done < upto:
             kind, obj = q.items[q.done]
@@ -83,7 +85,7 @@ class CpuStreams(_HandOff):
             else:
                 self._call(stream, obj)
 
-    def _call(self, stream: str, fn: Callable[[], None]) -> None:
+    def _call(self, stream: StreamName, fn: Callable[[], None]) -> None:
         prev, self.current = self.current, stream
         try:
             fn()
@@ -104,10 +106,10 @@ class CudaStreams(_HandOff):
         }
         self.current = "compute"
 
-    def _stream(self, name: str) -> torch.cuda.Stream:
+    def _stream(self, name: StreamName) -> torch.cuda.Stream:
         return torch.cuda.current_stream() if name == "compute" else self.side[name]
 
-    def run(self, stream: str, fn: Callable[[], None]) -> None:
+    def run(self, stream: StreamName, fn: Callable[[], None]) -> None:
         if stream == "compute":
             fn()
             return
@@ -118,19 +120,19 @@ class CudaStreams(_HandOff):
         finally:
             self.current = prev
 
-    def record(self, stream: str) -> torch.cuda.Event:
+    def record(self, stream: StreamName) -> torch.cuda.Event:
         ev = torch.cuda.Event()
         ev.record(self._stream(stream))
         return ev
 
-    def wait(self, stream: str, event: torch.cuda.Event | None) -> None:
+    def wait(self, stream: StreamName, event: torch.cuda.Event | None) -> None:
         if event is not None:
             self._stream(stream).wait_event(event)
 
     def synchronize(self) -> None:
         torch.cuda.synchronize()
 
-    def hold(self, stream: str, *tensors: torch.Tensor) -> None:
+    def hold(self, stream: StreamName, *tensors: torch.Tensor) -> None:
         """Tensors made on the compute stream and read by work on `stream`: the caching allocator
         must not hand their memory out again before that work ran (eager mode; graphs keep
         static memory anyway)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ftchat.errors import FtchatError
 from ftchat.session import Session, StepRecord
 from ftchat.ui.panel import PanelWriter, PlainWriter, Screen, isatty, timing_line
-from ftchat.ui.text import ReplyText, one_line, printable
+from ftchat.ui.text import ReplyText, one_line, plural, printable
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ def run_batch(session: Session, screen: Screen, jobs: list[Job], as_json: bool,
         replies = _Replies(session, out, len(jobs), escape)
         for rec in records:
             replies.add(rec)
-            out.show(rec.figures, f"{replies.next}/{len(jobs)} replies")
+            out.show(rec.figures, f"{replies.next}/{plural(len(jobs), 'reply', 'replies')}")
     screen.note(_batch_summary(replies.final, session.settings.batch_size))
     return 0
 
@@ -144,6 +144,6 @@ def _batch_summary(final: dict[int, StepRecord], batch_size: int) -> str:
         chunk_s[i // batch_size] = max(chunk_s.get(i // batch_size, 0.0), rec.decode_s)
     recs = list(final.values())
     offload = recs[-1].figures.offload if recs else {}
-    return f"{len(recs)} replies | " + timing_line(
+    return f"{plural(len(recs), 'reply', 'replies')} | " + timing_line(
         sum(r.prefill_s for r in recs), sum(r.prompt_tokens for r in recs),
         sum(chunk_s.values()), sum(r.n - 1 for r in recs), dict(offload))

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftchat.errors import FtchatError
+from ftchat.model.config import check_context, load_args
 from ftchat.resolve import demo_notice, resolve_model
 from ftchat.settings import Settings
 from ftchat.ui.progress import progress_bar
@@ -21,6 +22,7 @@ def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: Te
     from ftchat.model.tokenizer import Tokenizer
 
     resolved = resolve_model(model, env)
+    check_context(load_args(resolved.path), settings.context)
     if resolved.demo:
         print(demo_notice(resolved.path), file=err)
     tok = Tokenizer.from_folder(resolved.path)
@@ -33,7 +35,7 @@ def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: 
            prompts: int, max_new: int, audit_every: int, as_json: bool,
            out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Prefetch on vs off over cold prompts with the verifier and audit on the `on` arm."""
-    from ftchat.debug import commands
+    from ftchat.commands import verify as commands
 
     out, err = out or sys.stdout, err or sys.stderr
     if mode not in ("meta", "bytes"):
@@ -59,13 +61,16 @@ def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: 
                 out.write(f"prompt {v.index}: first mismatch {v.first_mismatch}, "
                           f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
                           f"first record {v.records[:1]}\n")
-    return commands.exit_code(s)
+    why = commands.failure(s)
+    if why:
+        err.write(f"error: {why}\n")
+    return 1 if why else 0
 
 
 def audit(model: str | None, settings: Settings, env: Mapping[str, str], every: int,
           prompt_texts: list[str], max_new: int, as_json: bool,
           out: TextIO | None = None, err: TextIO | None = None) -> int:
-    from ftchat.debug import commands
+    from ftchat.commands import verify as commands
 
     out, err = out or sys.stdout, err or sys.stderr
     if every < 1:
@@ -79,26 +84,35 @@ def audit(model: str | None, settings: Settings, env: Mapping[str, str], every: 
     out.write((json.dumps(res) if as_json else
                f"audits {a.audits}, bad slots {len(a.bad)}"
                + "".join(f"\n  {b}" for b in a.bad[:20])) + "\n")
-    return 0 if not a.bad else 1
+    why = (f"the slot audit found {len(a.bad)} bad slots" if a.bad else
+           None if a.audits else "no slot audit ran")
+    if why:
+        err.write(f"error: {why}\n")
+    return 1 if why else 0
 
 
 def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
           contexts: str, steps: int, rounds: int, as_json: bool,
           out: TextIO | None = None, err: TextIO | None = None) -> int:
-    from ftchat.bench import bench_context
+    from ftchat.commands.bench import bench_context, parse_arms
 
     out, err = out or sys.stdout, err or sys.stderr
+    if steps < 1 or rounds < 1:
+        raise FtchatError("--steps and --rounds must be >= 1")
+    arm_settings = parse_arms(arms, settings)  # usage errors before the model loads
+    ctxs = [_tokens(c) for c in contexts.split(",")]
     m, _ = _load(model, settings, env, err)
-    arm_list = [a.strip() for a in arms.split(";") if a.strip()]
     res = {}
-    for ctx in (_tokens(c) for c in contexts.split(",")):
-        res[ctx] = bench_context(m, arm_list, ctx, settings, steps, rounds)
+    for ctx in ctxs:
+        res[ctx] = bench_context(m, arm_settings, ctx, settings, steps, rounds)
         if not as_json:
             table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens")
-            for col in ("arm", "tok/s", "vs off", "misses/token", "useful/layer", "precision"):
+            for col in ("arm", "tok/s", "vs off", "ms/layer", "misses/token", "useful/layer",
+                        "precision"):
                 table.add_column(col)
             for name, v in res[ctx].items():
                 table.add_row(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"),
+                              f"{v['ms_per_layer']:.3f}",
                               f"{v['misses_per_token']:.1f}", f"{v['useful_per_layer']:.2f}",
                               _f(v["precision"], "{:.2f}"))
             Console(file=out).print(table)
@@ -114,6 +128,9 @@ def _f(x, fmt: str) -> str:
 def _tokens(text: str) -> int:
     t = text.strip().lower()
     try:
-        return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+        n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
     except ValueError:
-        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 32k") from None
+        n = 0
+    if n < 1:
+        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 32k")
+    return n

@@ -32,11 +32,16 @@ def header_bytes(path: Path) -> dict[str, int]:
     try:
         with open(path, "rb") as f:
             (n,) = struct.unpack("<Q", f.read(8))
+            size = path.stat().st_size
+            if n > size - 8:  # random bytes: a length that would read gigabytes
+                raise ValueError(f"header length {n:,} B, but the file has {size:,} B")
             header = json.loads(f.read(n))
-        return {k: v["data_offsets"][1] - v["data_offsets"][0]
-                for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
-        raise ModelError(f"{path}: unreadable safetensors header ({e})") from None
+        entries = {k: v for k, v in header.items() if k != "__metadata__"}
+        return {k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in entries.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError,
+            struct.error) as e:
+        raise ModelError(f"{path}: unreadable safetensors header ({e}); the file is damaged: "
+                         "download it again") from None
 
 
 def dense_gpu_bytes(ck: Checkpoint) -> tuple[int, int]:
@@ -61,6 +66,7 @@ def slots_that_fit(vram_gib: float, dense: int, row: int, total: int) -> int:
 def info_lines(folder: Path, vram_gib: list[float] | None = None) -> list[str]:
     """The report, one line per fact."""
     ck = Checkpoint(folder)
+    ck.check_shapes()  # the figures below come from config.json: it must match the weights
     a, layout = ck.args, ck.row_layout()
     n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
     pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))

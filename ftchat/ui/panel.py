@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.text import Text
 
 from ftchat.session import Figures, StepRecord
+from ftchat.ui.text import plural
 
 # label, backend stats key, format: the offload figures, "-" until the backend reports them
 OFFLOAD = (
@@ -72,9 +73,9 @@ def timing_line(prefill_s: float, prefill_tokens: int, decode_s: float, decode_t
         return _num(n / s if s > 0 else None)
 
     offload = offload or {}
-    return (f"prompt eval {prefill_s * 1e3:.1f} ms / {prefill_tokens} tokens "
+    return (f"prompt eval {prefill_s * 1e3:.1f} ms / {plural(prefill_tokens, 'token')} "
             f"({rate(prefill_tokens, prefill_s)} tok/s) | eval {decode_s * 1e3:.1f} ms / "
-            f"{decode_tokens} runs ({rate(decode_tokens, decode_s)} tok/s) | misses/token "
+            f"{plural(decode_tokens, 'run')} ({rate(decode_tokens, decode_s)} tok/s) | misses/token "
             f"{_num(offload.get('misses_per_token'), '{:.2f}')} | hit rate "
             f"{_num(offload.get('hit_rate'), '{:.1%}')}")
 
@@ -82,7 +83,7 @@ def timing_line(prefill_s: float, prefill_tokens: int, decode_s: float, decode_t
 def summary_line(rec: StepRecord) -> str:
     """The timing line after a chat reply."""
     f = rec.figures
-    return (f"{rec.n} tokens, context {f.context}/{f.max_context} | "
+    return (f"{plural(rec.n, 'token')}, context {f.context}/{f.max_context} | "
             + timing_line(f.prefill_s, f.prefill_tokens, f.decode_s, f.decode_tokens, f.offload))
 
 

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import TextIO
 
 from ftchat.errors import FtchatError
+from ftchat.model.config import check_context, load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.session import Session
 from ftchat.settings import Settings
@@ -44,6 +45,7 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
 
 
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen) -> Session:
+    check_context(load_args(resolved.path), settings.context)  # before the KV cache is sized
     if resolved.demo:
         screen.note(demo_notice(resolved.path))
     t = time.perf_counter()

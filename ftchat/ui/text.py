@@ -31,6 +31,11 @@ def printable(text: str) -> str:
     return "".join(c if c in "\n\t\\" or not _control(c) else _escape(c) for c in text)
 
 
+def plural(n: int, one: str, many: str | None = None) -> str:
+    """`1 reply`, `2 replies`: the count and the noun that agrees with it."""
+    return f"{n} {one if n == 1 else many or one + 's'}"
+
+
 class ReplyText:
     """The text of a streamed reply as shown (plain output; --json keeps the exact text): ids
     decoded incrementally, without an empty think block at its start. The chat template opens

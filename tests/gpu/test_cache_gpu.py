@@ -49,12 +49,12 @@ def test_cuda_matches_cpu_without_host_syncs(batch, policy):
         try:
             c_g = prefetch_measure(gpu, layer, cands_g, 3, ids_g)
             p_g = ensure(gpu, layer, ids_g, policy)
-            pf_g = prefetch_ensure(gpu, (layer + 1) % LAYERS, cands_g, 3, p_g.slots, policy)
+            pf_g = prefetch_ensure(gpu, (layer + 1) % LAYERS, cands_g, 3, p_g.slots)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         c = prefetch_measure(cpu, layer, cands, 3, ids)
         p = ensure(cpu, layer, ids, policy)
-        pf = prefetch_ensure(cpu, (layer + 1) % LAYERS, cands, 3, p.slots, policy)
+        pf = prefetch_ensure(cpu, (layer + 1) % LAYERS, cands, 3, p.slots)
         for a, b in ((c, c_g), (p, p_g), (pf, pf_g)):
             for name, x in vars(a).items():
                 assert x.tolist() == getattr(b, name).tolist(), (step, name)
@@ -72,7 +72,7 @@ def test_graph_replay_writes_the_same_maps_as_eager():
 
     def step(layer: int):
         p = ensure(gpu, layer, ids_buf[layer], RULE)
-        pf = prefetch_ensure(gpu, (layer + 1) % LAYERS, cand_buf[layer], 4, p.slots, RULE)
+        pf = prefetch_ensure(gpu, (layer + 1) % LAYERS, cand_buf[layer], 4, p.slots)
         return p, pf
 
     def feed(layer: int):
@@ -81,7 +81,7 @@ def test_graph_replay_writes_the_same_maps_as_eager():
         ids_buf[layer].copy_(ids)
         cand_buf[layer].copy_(cands)
         p = ensure(cpu, layer, ids, RULE)
-        return p, prefetch_ensure(cpu, (layer + 1) % LAYERS, cands, 4, p.slots, RULE)
+        return p, prefetch_ensure(cpu, (layer + 1) % LAYERS, cands, 4, p.slots)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -149,7 +149,7 @@ def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, 
             snapshot = ref.key.clone()
             distinct_new = len({c for c in cands.tolist()
                                 if ref.slot_of[nxt * num_experts + c] < 0})
-            pp = cache.prefetch_ensure(ref, nxt, cands, budget, prot, policy)
+            pp = cache.prefetch_ensure(ref, nxt, cands, budget, prot)
             if twin:
                 qq = prefetch_k(dev, nxt, cands.to(DEVICE), budget, prot.to(DEVICE), policy)
                 assert_same_plan(pp, qq, (step, "prefetch"))
@@ -311,7 +311,7 @@ def test_tiles_do_not_change_tie_breaks_across_tile_edges():
         m.key[:4] = R(9)
         m.key[5] = m.key[11] = R(3)
         pf = ck.prefetch_ensure_triton(m, 0, torch.tensor([50, 51, 52], device=DEVICE), 3,
-                                       torch.tensor([5], device=DEVICE), LRU, tile=tile)
+                                       torch.tensor([5], device=DEVICE), tile=tile)
         assert pf.dst.tolist() == [11, 4, 6], tile  # slot 5 protected; then the R(8) tie from 4
 
 
@@ -347,7 +347,7 @@ def test_kernels_announce_the_maps_they_write_before_launching():
                     ck.ensure_triton(m, 1, torch.tensor([[3, 4]], device=DEVICE), RULE)
                 else:
                     ck.prefetch_ensure_triton(m, 1, torch.tensor([3, 4], device=DEVICE), 2,
-                                              NONE.to(DEVICE), RULE)
+                                              NONE.to(DEVICE))
             except RuntimeError:
                 assert not should_change
             changed = not all(torch.equal(x, y) for x, y in zip(before, maps_state(m)))
@@ -363,7 +363,7 @@ def test_too_few_slots_or_a_bad_budget_raise_before_any_write():
     for budget in (-1, 4):
         with pytest.raises(ValueError):
             ck.prefetch_ensure_triton(m, 0, torch.tensor([0, 1], device=DEVICE), budget,
-                                      NONE.to(DEVICE), LRU)
+                                      NONE.to(DEVICE))
     assert calls == [] and m.clock.tolist() == [0]
-    ck.prefetch_ensure_triton(m, 0, torch.tensor([0, 1], device=DEVICE), 3, NONE.to(DEVICE), LRU)
+    ck.prefetch_ensure_triton(m, 0, torch.tensor([0, 1], device=DEVICE), 3, NONE.to(DEVICE))
     assert calls and m.stats.prefetch_installs.tolist() == [2]  # control: a valid call writes

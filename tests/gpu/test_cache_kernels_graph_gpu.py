@@ -39,11 +39,11 @@ def test_kernels_never_sync_the_host():
             torch.cuda.set_sync_debug_mode("error")  # any host sync below raises
         try:
             q = ck.ensure_any(dev, layer, ids_d, RULE)
-            qq = ck.prefetch_ensure_any(dev, (layer + 1) % 4, cands_d, 4, q.slots, RULE)
+            qq = ck.prefetch_ensure_any(dev, (layer + 1) % 4, cands_d, 4, q.slots)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         p = cache.ensure(ref, layer, ids, RULE)
-        pp = cache.prefetch_ensure(ref, (layer + 1) % 4, cands, 4, p.slots, RULE)
+        pp = cache.prefetch_ensure(ref, (layer + 1) % 4, cands, 4, p.slots)
         assert_same_plan(p, q, step)
         assert_same_plan(pp, qq, step)
         assert_same_maps(ref, dev, step)
@@ -66,7 +66,7 @@ def test_graph_replay_equals_the_reference(bs, policy):
     def step(layer: int):
         p = ck.ensure_triton(dev, layer, ids_buf[layer], policy)
         return p, ck.prefetch_ensure_triton(dev, (layer + 1) % layers, cand_buf[layer], 4,
-                                            p.slots, policy)
+                                            p.slots)
 
     def feed(layer: int):
         ids = torch.tensor([rng.sample(range(28), K) for _ in range(bs)])
@@ -74,7 +74,7 @@ def test_graph_replay_equals_the_reference(bs, policy):
         ids_buf[layer].copy_(ids)
         cand_buf[layer].copy_(cands)
         p = cache.ensure(ref, layer, ids, policy)
-        return p, cache.prefetch_ensure(ref, (layer + 1) % layers, cands, 4, p.slots, policy)
+        return p, cache.prefetch_ensure(ref, (layer + 1) % layers, cands, 4, p.slots)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

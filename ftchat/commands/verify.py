@@ -3,7 +3,9 @@
 verify: N cold prompts (a random nonce prefix, so no cache is warm), each decoded greedily with
 prefetch off and on (fresh caches, same settings otherwise), compared token by token; the
 verifier and the slot audit watch the `on` arm. audit: a decode run with the slot audit on.
-Both run eagerly (the debug records read Python-side step numbers).
+The audit byte-checks the whole cache every N decode steps and once more at the end of every
+prompt, so every prompt is audited however short. Both run eagerly (the debug records read
+Python-side step numbers).
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 from ftchat.debug import HookChain
 from ftchat.debug.audit import SlotAudit
 from ftchat.debug.verify import Verifier
 from ftchat.engine import LoadedModel, build_experts, generate, num_slots
+from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
 
 QUESTIONS = (
@@ -66,8 +68,9 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
         off = _greedy(m, ids, max_new, build_experts(m, off_settings))
         verifier = Verifier(mode, a.num_hidden_layers, m.device)
         audit = SlotAudit(audit_every, S, m.device)
-        on = _greedy(m, ids, max_new, build_experts(m, on_settings,
-                                                   hooks=HookChain([verifier, audit])))
+        ex = build_experts(m, on_settings, hooks=HookChain([verifier, audit]))
+        on = _greedy(m, ids, max_new, ex)
+        audit.audit(BackendView(ex))  # the cache as the prompt left it
         first = next((j for j, (x, y) in enumerate(zip(off, on)) if x != y), None)
         verdicts.append(PromptVerdict(i, len(on), first, verifier.report(), audit.audits,
                                       audit.bad))
@@ -85,6 +88,7 @@ def audit_run(m: LoadedModel, prompts: list[list[int]], settings: Settings, ever
     for ids in prompts:
         for _ in generate(m, [ids], max_new, ex):
             pass
+        audit.audit(BackendView(ex))  # the cache as the prompt left it
     return audit
 
 
@@ -97,5 +101,15 @@ def summary(verdicts: list[PromptVerdict]) -> dict:
             "bad_slots": sum(len(v.bad_slots) for v in verdicts)}
 
 
-def exit_code(s: dict) -> int:
-    return 0 if s["mismatches"] == 0 and s["verifier_records"] == 0 and s["bad_slots"] == 0 else 1
+def failure(s: dict) -> str | None:
+    """Why a verify summary fails, or None: a mismatch, a verifier record, a bad slot, or no
+    audit at all (a check that did not run proves nothing)."""
+    if s["mismatches"]:
+        return f"{s['mismatches']} of {s['prompts']} prompts differ with prefetch on"
+    if s["verifier_records"]:
+        return f"the verifier recorded {s['verifier_records']} violations"
+    if s["bad_slots"]:
+        return f"the slot audit found {s['bad_slots']} bad slots"
+    if not s["audits"]:
+        return "no slot audit ran"
+    return None

@@ -1,0 +1,162 @@
+"""`ftchat bench`: decode throughput of arms run side by side in one process, interleaved ABAB.
+
+Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:graph=0`) gets its
+own expert backend and decode state over the same loaded weights; every round runs every arm once.
+Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
+context length over a zero KV cache: the figures are the step cost at that context, not model
+quality.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ftchat import engine
+from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
+from ftchat.errors import FtchatError
+from ftchat.model.expert_backend import ExpertBackend
+from ftchat.settings import Settings, override
+
+COUNTERS = ("misses", "prefetch_installs", "prefetch_useful")
+START_TOKEN = 7  # the prefilled token the arms decode from
+
+
+def parse_arm(spec: str, base: Settings) -> Settings | None:
+    """`on:budget=4,eviction=lru` -> Settings; `resident` -> None (every expert in VRAM).
+    Values are checked as the flags are (`eviction=foo` names --eviction)."""
+    head, _, rest = spec.strip().partition(":")
+    if head == "resident" and not rest:
+        return None
+    if head not in ("off", "measure", "on"):
+        raise FtchatError(f"bench arm {spec!r}: expected resident, off, measure or on[:k=v,...]")
+    flags = {}
+    for item in filter(None, rest.replace(";", ",").split(",")):
+        k, eq, v = item.partition("=")
+        if not eq or not v.strip():
+            raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
+        flags[k.strip()] = v.strip()
+    try:
+        return override(dataclasses.replace(base, prefetch=head), flags)
+    except FtchatError as e:
+        raise FtchatError(f"bench arm {spec!r}: {e}") from None
+
+
+def parse_arms(arms: str, base: Settings) -> dict[str, Settings | None]:
+    """'off;on;on:budget=4' -> {name: settings}; at least one arm, each named once."""
+    names = [a.strip() for a in arms.split(";") if a.strip()]
+    if not names:
+        raise FtchatError("--arms: no arm given (e.g. 'off;on;on:budget=4')")
+    if len(set(names)) != len(names):
+        raise FtchatError(f"--arms {arms!r}: an arm is given twice")
+    return {name: parse_arm(name, base) for name in names}
+
+
+@dataclass
+class Arm:
+    name: str
+    device: torch.device
+    experts: ExpertBackend
+    steps: object  # the arm's engine.decode iterator
+    extra_vram: int  # bytes its backend and decoder allocated
+    times: list[float] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
+    tokens: int = 0
+
+
+def make_arm(m: LoadedModel, name: str, s: Settings | None, base: Settings, ctx: int,
+             max_len: int) -> Arm:
+    before = _allocated(m)
+    ex = resident_backend(m) if s is None else build_experts(m, s)
+    dec = Decoder(m, ex, 1, max_len, graph=(base if s is None else s).use_graph())
+    steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
+    next(steps)  # the prefill of the start token
+    return Arm(name, m.device, ex, steps, _allocated(m) - before)
+
+
+def run_round(arm: Arm, steps: int) -> None:
+    """`steps` decode steps of one arm, timed, with its backend's counters."""
+    before = arm.experts.stats()
+    _sync(arm.device)
+    t = time.perf_counter()
+    for _ in range(steps):
+        next(arm.steps)
+    _sync(arm.device)
+    arm.times.append(time.perf_counter() - t)
+    after = arm.experts.stats()
+    for k in COUNTERS:
+        arm.counts[k] += int(after.get(k, 0)) - int(before.get(k, 0))  # {} when resident
+    arm.tokens += steps
+
+
+def bench_context(m: LoadedModel, arms: dict[str, Settings | None], ctx: int, base: Settings,
+                  steps: int, rounds: int) -> dict:
+    """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures."""
+    if steps < 1 or rounds < 1:
+        raise FtchatError("--steps and --rounds must be >= 1")
+    max_len = ctx + (rounds + 1) * steps + 2
+    if max_len > m.args.max_position_embeddings:
+        raise FtchatError(f"context {ctx} + {(rounds + 1) * steps} bench tokens exceeds the "
+                          f"model's {m.args.max_position_embeddings} positions")
+    built = [make_arm(m, name, s, base, ctx, max_len) for name, s in arms.items()]
+    for arm in built:  # warm-up round (fills the caches), not counted
+        run_round(arm, steps)
+        arm.times, arm.tokens, arm.counts = [], 0, dict.fromkeys(COUNTERS, 0)
+    for _ in range(rounds):  # ABAB: every round runs every arm once
+        for arm in built:
+            run_round(arm, steps)
+    L = m.args.num_hidden_layers
+    out = {}
+    for a in built:
+        c, total = a.counts, a.experts.stats()
+        out[a.name] = {
+            "tok_s": a.tokens / sum(a.times), "round_tok_s": [steps / t for t in a.times],
+            "ms_per_layer": sum(a.times) / a.tokens / L * 1e3,
+            "misses_per_token": c["misses"] / a.tokens,
+            "prefetch_installs_per_token": c["prefetch_installs"] / a.tokens,
+            "useful_per_layer": c["prefetch_useful"] / a.tokens / L,
+            # over the arm's whole run: a prefetch is credited when first used, which can be a
+            # round after its install, so a window's ratio could pass 1
+            "precision": (total["prefetch_useful"] / total["prefetch_installs"]
+                          if total.get("prefetch_installs") else None),
+            "extra_vram_mib": a.extra_vram / 2**20}
+    off = out.get("off", {}).get("tok_s")
+    for v in out.values():
+        v["vs_off"] = v["tok_s"] / off if off else None
+    for a in built:
+        a.steps.close()
+        a.experts.close()
+    del built
+    if m.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int]) -> dict:
+    """Prefill tok/s with offloaded experts (staging area on CUDA)."""
+    ex = build_experts(m, dataclasses.replace(base, prefetch="off"))
+    out = {}
+    for n in lengths:
+        dec = Decoder(m, ex, 1, n + 2)
+        ids = torch.randint(0, 1000, (n,))
+        dec.prefill(0, ids[:256], 0)  # warm-up
+        dec.reset()
+        _sync(m.device)
+        t = time.perf_counter()
+        dec.prefill(0, ids, 0)
+        _sync(m.device)
+        out[n] = n / (time.perf_counter() - t)
+        del dec
+    return out
+
+
+def _allocated(m: LoadedModel) -> int:
+    return torch.cuda.memory_allocated(m.device) if m.device.type == "cuda" else 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
