@@ -1,4 +1,4 @@
-"""Per-request decode state of a batch of sequences (ARCH.md section 8), preallocated.
+"""Per-request decode state of a batch of sequences (docs/model.md section 8), preallocated.
 
 Row b of every tensor belongs to sequence b; the decoder advances rows in place.
 """
@@ -16,7 +16,10 @@ from ftchat.model.config import ModelArgs
 @dataclass
 class DecodeState:
     max_len: int  # KV capacity per sequence
-    kv: dict[int, dict[str, Tensor]]  # attention layer -> k/v [B, L, Hkv, hd], ik [B, L, di]
+    # attention layer -> k/v [B, L, Hkv, hd], raw index keys ik [B, L, di] (the open block is pooled
+    # from them) and compressed block keys kbar [B, L // r, di] (post-norm, post-RoPE; block b is
+    # written when its last token r*b + r - 1 is, and read only by queries that see it complete)
+    kv: dict[int, dict[str, Tensor]]
     conv: dict[int, Tensor]  # GDN layer -> [B, C, Kc-1]
     recurrent: dict[int, Tensor]  # GDN layer -> [B, Hv, dk, dv] fp32
     ple_conv: dict[int, Tensor]  # PLE layer -> [B, hc*D, (k-1)*dilation]
@@ -35,6 +38,7 @@ class DecodeState:
                     "k": z(batch, max_len, a.num_key_value_heads, a.head_dim),
                     "v": z(batch, max_len, a.num_key_value_heads, a.head_dim),
                     "ik": z(batch, max_len, a.indexer_head_dim),
+                    "kbar": z(batch, max_len // a.indexer_compress_ratio, a.indexer_head_dim),
                 }
             else:
                 conv[i] = z(batch, conv_dim, a.linear_conv_kernel_dim - 1)
@@ -47,7 +51,7 @@ class DecodeState:
         return cls(max_len, kv, conv, rec, ple_conv, ctx)
 
     def reset(self, rows: slice, eos: int) -> None:
-        """Clear rows for new sequences."""
+        """Clear rows for new sequences (every kv tensor, kbar included)."""
         for d in self.kv.values():
             for t in d.values():
                 t[rows].zero_()
