@@ -234,21 +234,34 @@ def audit_cmd(
 def bench_cmd(
     model: Model = None,
     arms: Annotated[str, typer.Option(
-        help="Arms separated by ';': resident, off, measure, on[:budget=4,eviction=lru,...]")]
+        help="Arms separated by ';': resident, off, measure, on[:budget=4,eviction=lru,...]; "
+             "fused=0 in an arm runs the torch decode path")]
     = "off;on;on:budget=4",
     context: Annotated[str, typer.Option(help="Context lengths, e.g. 4k,32k")] = "4k",
     steps: Annotated[int, typer.Option(help="Tokens per arm per round")] = 32,
     rounds: Annotated[int, typer.Option(help="Interleaved rounds")] = 3,
+    synthetic: Annotated[str | None, typer.Option(
+        help="Build a random-weight model in memory instead of MODEL: tiny|flash-next")] = None,
+    layers: Annotated[int | None, typer.Option(help="Decoder layers of --synthetic")] = None,
+    format: Annotated[str, typer.Option(
+        help="Expert format of --synthetic: bf16|nvfp4-modelopt|nvfp4-ct")] = "nvfp4-modelopt",
     json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
     slots: Slots = None, expert_vram: ExpertVram = None, eviction: Eviction = None,
     graph: Graph = None, device: Device = None, dtype: Dtype = None,
     copy_programs: CopyPrograms = None,
 ) -> None:
     """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""
-    flags = _engine_flags(locals(), ("model", "arms", "context", "steps", "rounds", "json"))
-    from ftchat.ui.debug import bench
+    flags = _engine_flags(locals(), ("model", "arms", "context", "steps", "rounds", "json",
+                                     "synthetic", "layers", "format"))
+    from ftchat.ui.debug import Synthetic, bench
     settings = resolve_settings(flags, os.environ)
-    raise typer.Exit(bench(model, settings, os.environ, arms, context, steps, rounds, json))
+    if synthetic is not None and model is not None:
+        raise FtchatError("give MODEL or --synthetic, not both")
+    if synthetic is None and layers is not None:
+        raise FtchatError("--layers needs --synthetic")
+    synth = None if synthetic is None else Synthetic(synthetic, layers, format)
+    raise typer.Exit(bench(model, settings, os.environ, arms, context, steps, rounds, json,
+                           synthetic=synth))
 
 
 def main(argv: list[str] | None = None) -> int:

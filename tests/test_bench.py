@@ -19,6 +19,8 @@ from ftchat.settings import Settings
     ("on:colour=red", "unknown setting 'colour'"),
     ("on:budget", "is not key=value"),
     ("on:overlap=maybe", "--overlap 'maybe': expected 1 or 0"),
+    ("on:fused=2", "fused='2': expected 1 or 0"),
+    ("resident:budget=3", "resident takes only fused"),
 ])
 def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
     with pytest.raises(FtchatError, match=message):
@@ -26,10 +28,12 @@ def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
 
 
 def test_arms_parse_into_settings():
-    arms = parse_arms("resident; off:eviction=lru ;on:budget=4,overlap=0", Settings())
-    assert arms["resident"] is None
-    assert arms["off:eviction=lru"].eviction == "lru"
-    on = arms["on:budget=4,overlap=0"]
+    arms = parse_arms("resident; off:eviction=lru ;on:budget=4,overlap=0;resident:fused=0",
+                      Settings())
+    assert arms["resident"].settings is None and arms["resident"].fused
+    assert arms["resident:fused=0"].settings is None and not arms["resident:fused=0"].fused
+    assert arms["off:eviction=lru"].settings.eviction == "lru"
+    on = arms["on:budget=4,overlap=0"].settings
     assert (on.prefetch, on.budget_gdn, on.budget_attn, on.overlap) == ("on", 4, 4, False)
 
 
@@ -44,3 +48,22 @@ def test_precision_is_at_most_one_when_every_expert_fits(tiny_bf16):
     assert any(v["useful_per_layer"] * L > v["prefetch_installs_per_token"] for v in out.values())
     # ... while precision counts every install of the run
     assert all(v["precision"] is not None and 0 < v["precision"] <= 1 for v in out.values())
+
+
+def test_bench_builds_a_synthetic_model_in_memory():
+    import json
+
+    from typer.testing import CliRunner
+
+    from ftchat.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "--synthetic", "tiny", "--layers", "4", "--format",
+                                   "nvfp4-modelopt", "--arms", "resident;off", "--context", "16",
+                                   "--steps", "2", "--rounds", "1", "--slots", "20",
+                                   "--device", "cpu", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])["16"]
+    assert set(out) == {"resident", "off"} and out["off"]["misses_per_token"] > 0
+    assert out["off"]["kernels_per_step"] is None  # no CUDA: no kernel count
+    both = CliRunner().invoke(app, ["bench", "MODEL", "--synthetic", "tiny", "--device", "cpu"])
+    assert both.exit_code != 0 and "not both" in str(both.exception or both.output)

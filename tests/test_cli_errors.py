@@ -239,8 +239,6 @@ def test_synth_into_an_empty_folder_still_works(tmp_path, capsys, monkeypatch):
     assert code == 0 and (tmp_path / "ck" / "config.json").is_file(), err
 
 
-@pytest.mark.xfail(strict=True, reason="synth.py: safetensors' save_file creates its files "
-                   "0600; _ShardWriter.flush must chmod them to 0666 & ~umask (lead's fix)")
 def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
     code, _, err = _main(["synth", tmp_path / "ck", "--layers", "2"], capsys, monkeypatch)
     assert code == 0, err

@@ -1,7 +1,10 @@
 """`ftchat bench`: decode throughput of arms run side by side in one process, interleaved ABAB.
 
-Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:graph=0`) gets its
-own expert backend and decode state over the same loaded weights; every round runs every arm once.
+Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:graph=0`,
+`resident:fused=0`) gets its own expert backend and decode state over the same loaded weights;
+every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
+kernel's before/after). After the rounds one more step of each arm is profiled: kernels per
+step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
 context length over a zero KV cache: the figures are the step cost at that context, not model
 quality.
@@ -18,20 +21,26 @@ import torch
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
+from ftchat.kernels import fused_kernels
 from ftchat.model.expert_backend import ExpertBackend
+from ftchat.profile import profile_call
 from ftchat.settings import Settings, override
 
 COUNTERS = ("misses", "prefetch_installs", "prefetch_useful")
 START_TOKEN = 7  # the prefilled token the arms decode from
 
 
-def parse_arm(spec: str, base: Settings) -> Settings | None:
-    """`on:budget=4,eviction=lru` -> Settings; `resident` -> None (every expert in VRAM).
+@dataclass(frozen=True)
+class ArmSpec:
+    settings: Settings | None  # None: every expert resident
+    fused: bool = True  # the fused decode kernels (False: the torch path)
+
+
+def parse_arm(spec: str, base: Settings) -> ArmSpec:
+    """`on:budget=4,eviction=lru` -> its settings; `resident[:fused=0]` -> every expert in VRAM.
     Values are checked as the flags are (`eviction=foo` names --eviction)."""
     head, _, rest = spec.strip().partition(":")
-    if head == "resident" and not rest:
-        return None
-    if head not in ("off", "measure", "on"):
+    if head not in ("resident", "off", "measure", "on"):
         raise FtchatError(f"bench arm {spec!r}: expected resident, off, measure or on[:k=v,...]")
     flags = {}
     for item in filter(None, rest.replace(";", ",").split(",")):
@@ -39,13 +48,20 @@ def parse_arm(spec: str, base: Settings) -> Settings | None:
         if not eq or not v.strip():
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
+    fused = flags.pop("fused", "1")
+    if fused not in ("0", "1"):
+        raise FtchatError(f"bench arm {spec!r}: fused={fused!r}: expected 1 or 0")
+    if head == "resident" and flags:
+        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=0|1")
     try:
-        return override(dataclasses.replace(base, prefetch=head), flags)
+        s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
+                                                      flags)
     except FtchatError as e:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
+    return ArmSpec(s, fused == "1")
 
 
-def parse_arms(arms: str, base: Settings) -> dict[str, Settings | None]:
+def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
     """'off;on;on:budget=4' -> {name: settings}; at least one arm, each named once."""
     names = [a.strip() for a in arms.split(";") if a.strip()]
     if not names:
@@ -59,6 +75,7 @@ def parse_arms(arms: str, base: Settings) -> dict[str, Settings | None]:
 class Arm:
     name: str
     device: torch.device
+    fused: bool
     experts: ExpertBackend
     steps: object  # the arm's engine.decode iterator
     extra_vram: int  # bytes its backend and decoder allocated
@@ -67,14 +84,16 @@ class Arm:
     tokens: int = 0
 
 
-def make_arm(m: LoadedModel, name: str, s: Settings | None, base: Settings, ctx: int,
+def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
              max_len: int) -> Arm:
+    s = spec.settings
     before = _allocated(m)
     ex = resident_backend(m) if s is None else build_experts(m, s)
-    dec = Decoder(m, ex, 1, max_len, graph=(base if s is None else s).use_graph())
-    steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
-    next(steps)  # the prefill of the start token
-    return Arm(name, m.device, ex, steps, _allocated(m) - before)
+    with fused_kernels(spec.fused):  # a captured graph keeps the choice
+        dec = Decoder(m, ex, 1, max_len, graph=(base if s is None else s).use_graph())
+        steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
+        next(steps)  # the prefill of the start token
+    return Arm(name, m.device, spec.fused, ex, steps, _allocated(m) - before)
 
 
 def run_round(arm: Arm, steps: int) -> None:
@@ -82,8 +101,9 @@ def run_round(arm: Arm, steps: int) -> None:
     before = arm.experts.stats()
     _sync(arm.device)
     t = time.perf_counter()
-    for _ in range(steps):
-        next(arm.steps)
+    with fused_kernels(arm.fused):
+        for _ in range(steps):
+            next(arm.steps)
     _sync(arm.device)
     arm.times.append(time.perf_counter() - t)
     after = arm.experts.stats()
@@ -92,7 +112,7 @@ def run_round(arm: Arm, steps: int) -> None:
     arm.tokens += steps
 
 
-def bench_context(m: LoadedModel, arms: dict[str, Settings | None], ctx: int, base: Settings,
+def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Settings,
                   steps: int, rounds: int) -> dict:
     """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures."""
     if steps < 1 or rounds < 1:
@@ -111,6 +131,8 @@ def bench_context(m: LoadedModel, arms: dict[str, Settings | None], ctx: int, ba
     L = m.args.num_hidden_layers
     out = {}
     for a in built:
+        with fused_kernels(a.fused):
+            prof = profile_call(lambda: next(a.steps), m.device)  # None off CUDA
         c, total = a.counts, a.experts.stats()
         out[a.name] = {
             "tok_s": a.tokens / sum(a.times), "round_tok_s": [steps / t for t in a.times],
@@ -122,7 +144,10 @@ def bench_context(m: LoadedModel, arms: dict[str, Settings | None], ctx: int, ba
             # round after its install, so a window's ratio could pass 1
             "precision": (total["prefetch_useful"] / total["prefetch_installs"]
                           if total.get("prefetch_installs") else None),
-            "extra_vram_mib": a.extra_vram / 2**20}
+            "extra_vram_mib": a.extra_vram / 2**20,
+            "kernels_per_step": prof.kernels if prof else None,
+            "kernels_per_layer": prof.kernels / L if prof else None,
+            "busy_us_per_layer": prof.busy_us / L if prof else None}
     off = out.get("off", {}).get("tok_s")
     for v in out.values():
         v["vs_off"] = v["tok_s"] / off if off else None

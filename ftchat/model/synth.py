@@ -3,15 +3,21 @@
 Wrapper config.json with `text_config`, `model.language_model.*` tensors in sharded safetensors
 with an index, per-expert `mlp.experts.{e}.{gate,up,down}_proj` (bf16 or NVFP4 in either dialect),
 tokenizer.json + tokenizer_config.json (ChatML), generation_config.json. Deterministic per seed.
+
+Every tensor comes from `generate`, one torch.Generator drawn in checkpoint order: the writer here
+and the in-memory builder (ftchat.model.synth_memory) consume the same stream, so they agree bit
+for bit when they draw from the same generator.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,10 +29,12 @@ from ftchat.model import nvfp4
 from ftchat.model.config import ModelArgs
 from ftchat.model.ple import layer_multipliers, table_rows
 from ftchat.model.spec import dense_specs, expert_name, expert_specs
-from ftchat.model.tokenizer import write_synthetic_tokenizer
+from ftchat.model.tokenizer import SPECIAL_OFFSETS, write_synthetic_tokenizer
 
 PREFIX = "model.language_model."
 FORMATS = ("bf16", nvfp4.MODELOPT, nvfp4.COMPRESSED_TENSORS)
+STORED_DTYPE = torch.bfloat16  # every float tensor of a synthetic checkpoint (experts too, in bf16)
+LM_HEAD = "lm_head.weight"  # the one name outside the text prefix
 
 
 def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None = None) -> dict:
@@ -72,31 +80,154 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
     return cfg
 
 
+# ===== the config a preset writes (no tokenizer needed) =====
+
+
+def preset_vocab(preset: str) -> tuple[int, int | None]:
+    """(vocab size, id of <|endoftext|> or None for "the top of the range") of a preset."""
+    return (512, None) if preset == "tiny" else (248320, 248044)
+
+
+def special_ids(preset: str) -> dict[str, int]:
+    """Token -> id of the five specials, as write_synthetic_tokenizer places them (without
+    building the tokenizer: bench needs the eos id, not the tokenizer)."""
+    vocab, base = preset_vocab(preset)
+    if base is None:
+        return {tok: vocab - 5 + i for i, tok in enumerate(SPECIAL_OFFSETS)}
+    return {tok: base + off for tok, off in SPECIAL_OFFSETS.items()}
+
+
+def hf_config(preset: str, layers: int | None, fmt: str) -> dict:
+    """The config.json of a synthetic checkpoint (wrapper with text_config)."""
+    if fmt not in FORMATS:
+        raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    vocab, _ = preset_vocab(preset)
+    text = preset_config(preset, layers, special_ids(preset)["<|endoftext|>"], vocab)
+    hf = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
+          "text_config": text, "tie_word_embeddings": False,
+          "image_token_id": 248056, "video_token_id": 248057,
+          "vision_start_token_id": 248053, "vision_end_token_id": 248054}
+    if fmt != "bf16":
+        hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules())
+    return hf
+
+
+def generation_config(preset: str) -> dict:
+    ids = special_ids(preset)
+    eos = ids["<|endoftext|>"]
+    return {"bos_token_id": eos, "pad_token_id": eos,
+            "eos_token_id": [ids["<|im_end|>"], eos], "do_sample": False}
+
+
+# ===== the tensor stream =====
+
+
 def _init(shape: tuple[int, ...], kind: str, gen: torch.Generator) -> Tensor:
+    """fp32 [shape] on gen's device, drawn from gen."""
+    dev = gen.device
     if kind == "linear":
-        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1])
+        return torch.randn(shape, generator=gen, device=dev) / math.sqrt(shape[-1])
     if kind == "norm":  # zero-centred: (1 + w)
-        return torch.randn(shape, generator=gen) * 0.1
+        return torch.randn(shape, generator=gen, device=dev) * 0.1
     if kind == "plain_norm":
-        return 1 + torch.randn(shape, generator=gen) * 0.1
+        return 1 + torch.randn(shape, generator=gen, device=dev) * 0.1
     if kind == "conv":
-        return torch.randn(shape, generator=gen) * 0.5
+        return torch.randn(shape, generator=gen, device=dev) * 0.5
     if kind == "a_log":
-        return torch.empty(shape).uniform_(1, 16, generator=gen).log()
+        return torch.empty(shape, device=dev).uniform_(1, 16, generator=gen).log()
     if kind == "dt_bias":
-        return 1 + torch.randn(shape, generator=gen) * 0.1
+        return 1 + torch.randn(shape, generator=gen, device=dev) * 0.1
     if kind == "embed":
-        return torch.randn(shape, generator=gen)
+        return torch.randn(shape, generator=gen, device=dev)
     raise AssertionError(kind)
 
 
 def _random_nvfp4(n: int, k: int, gen: torch.Generator) -> tuple[Tensor, Tensor, Tensor]:
-    """Random codes with block scales sized so the weights have std ~ 1/sqrt(k)."""
-    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    """Random codes with block scales sized so the weights have std ~ 1/sqrt(k): packed uint8
+    [n, k/2] and e4m3 scales [n, k/16] on gen's device, the global fp32 [] (CPU)."""
+    dev = gen.device
+    packed = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen, device=dev)
     g = torch.tensor(2.0**-8)
     target = 1 / (2.93 * math.sqrt(k))  # 2.93 = RMS of the E2M1 magnitudes
-    scale = torch.empty(n, k // 16).uniform_(0.5, 1.5, generator=gen) * target / g
+    scale = torch.empty(n, k // 16, device=dev).uniform_(0.5, 1.5, generator=gen) * target / g
     return packed, scale.to(torch.float8_e4m3fn), g
+
+
+Fix = Callable[[str, Tensor], Tensor]
+
+
+def _keep(name: str, t: Tensor) -> Tensor:
+    return t
+
+
+@dataclass(frozen=True)
+class DenseTensor:
+    """One non-expert tensor as stored: bf16, or int64 (PLE buffers). name is relative to
+    PREFIX, except LM_HEAD."""
+
+    name: str
+    tensor: Tensor
+
+
+@dataclass(frozen=True)
+class ExpertTensors:
+    """One routed expert, proj -> bf16 [n, k] (fmt bf16) or NVFP4 (packed, scale, global)."""
+
+    layer: int
+    index: int
+    parts: dict[str, Tensor | tuple[Tensor, Tensor, Tensor]]
+
+
+def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = None
+             ) -> Iterator[DenseTensor | ExpertTensors]:
+    """Every tensor of the synthetic model, in checkpoint order: the dense tensors of layer i,
+    then its experts, ..., then lm_head. The order is part of the output (one generator).
+
+    fix, if given, may replace each float tensor before it is stored (tests use it).
+    """
+    fix = fix or _keep
+    ple = {i: a.ple_layers.index(i) for i in a.ple_layers}
+    for name, spec in dense_specs(a).items():
+        if spec.init == "int64":
+            t = _ple_buffer(name, a, ple)
+        else:
+            t = fix(name, _init(spec.shape, spec.init, gen)).to(STORED_DTYPE)
+        yield DenseTensor(name, t)
+        if name.startswith("layers.") and name.endswith("mlp.shared_expert_gate.weight"):
+            layer = int(name.split(".")[1])
+            for e in range(a.num_experts):
+                yield ExpertTensors(layer, e, _expert(layer, e, a, fmt, gen, fix))
+    head = _init((a.vocab_size, a.hidden_size), "linear", gen)
+    yield DenseTensor(LM_HEAD, fix(LM_HEAD, head).to(STORED_DTYPE))
+
+
+def _ple_buffer(name: str, a: ModelArgs, ple: dict[int, int]) -> Tensor:
+    layer = int(name.split(".")[1])
+    primes, offsets, _ = table_rows(a, ple[layer])
+    if name.endswith("layer_multipliers"):
+        vals = layer_multipliers(a.vocab_size, a.ngram_size, ple[layer], a.seed)
+    else:
+        vals = primes if name.endswith("vocab_sizes") else offsets
+    return torch.tensor(vals, dtype=torch.int64)
+
+
+def _expert(layer: int, e: int, a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix
+            ) -> dict[str, Tensor | tuple[Tensor, Tensor, Tensor]]:
+    parts: dict[str, Tensor | tuple[Tensor, Tensor, Tensor]] = {}
+    for proj, (n, k) in expert_specs(a).items():
+        if fmt == "bf16":
+            base = PREFIX + expert_name(layer, e, proj)
+            parts[proj] = fix(base, _init((n, k), "linear", gen)).to(STORED_DTYPE)
+        else:
+            parts[proj] = _random_nvfp4(n, k, gen)
+    return parts
+
+
+# ===== the checkpoint writer =====
+
+
+_UMASK = os.umask(0)  # read once: os.umask can only be read by setting it
+os.umask(_UMASK)
 
 
 class _ShardWriter:
@@ -119,6 +250,7 @@ class _ShardWriter:
             return
         name = f"part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
+        (self.folder / name).chmod(0o666 & ~_UMASK)  # safetensors writes 0600; match the rest
         self.files.append((name, list(self.pending)))
         self.total += self.size
         self.pending, self.size = {}, 0
@@ -162,66 +294,36 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
 
 def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
            max_shard_bytes: int | None, progress, weights_fn) -> None:
-    vocab = 512 if preset == "tiny" else 248320
-    special_base = None if preset == "tiny" else 248044
+    vocab, special_base = preset_vocab(preset)
     specials = write_synthetic_tokenizer(folder, vocab, special_base)
-    eos = specials["<|endoftext|>"]
-    text = preset_config(preset, layers, eos, vocab)
-    a = ModelArgs.from_hf(text)
-    dtype = torch.bfloat16
-    hf = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
-          "text_config": text, "tie_word_embeddings": False,
-          "image_token_id": 248056, "video_token_id": 248057,
-          "vision_start_token_id": 248053, "vision_end_token_id": 248054}
-    if fmt != "bf16":
-        hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules())
+    # special_ids is what the in-memory model uses for eos: it must place them the same way
+    assert specials == special_ids(preset), (specials, special_ids(preset))
+    hf = hf_config(preset, layers, fmt)
+    a = ModelArgs.from_hf(hf)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
-    gen_cfg = {"bos_token_id": eos, "pad_token_id": eos,
-               "eos_token_id": [specials["<|im_end|>"], eos], "do_sample": False}
-    (folder / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps(generation_config(preset), indent=2))
 
-    gen = torch.Generator().manual_seed(seed)
     limit = max_shard_bytes or (1 << 20 if preset == "tiny" else 4 << 30)
     w = _ShardWriter(folder, limit)
-    fix = weights_fn or (lambda name, t: t)
-    specs = dense_specs(a)
-    ple = {i: a.ple_layers.index(i) for i in a.ple_layers}
-    for name, spec in specs.items():
-        if spec.init == "int64":
-            t = _ple_buffer(name, a, ple)
-        else:
-            t = fix(name, _init(spec.shape, spec.init, gen)).to(dtype)
-        w.add(PREFIX + name, t)
-        if name.startswith("layers.") and name.endswith("mlp.shared_expert_gate.weight"):
-            layer = int(name.split(".")[1])
-            _write_experts(w, layer, a, fmt, gen, fix, dtype)
-            if progress:
-                progress(layer + 1, a.num_hidden_layers)
-    w.add("lm_head.weight", fix("lm_head.weight", _init((a.vocab_size, a.hidden_size), "linear", gen)).to(dtype))
+    gen = torch.Generator().manual_seed(seed)
+    for item in generate(a, fmt, gen, weights_fn):
+        if isinstance(item, DenseTensor):
+            w.add(item.name if item.name == LM_HEAD else PREFIX + item.name, item.tensor)
+            continue
+        _add_expert(w, item, fmt)
+        if progress and item.index == a.num_experts - 1:
+            progress(item.layer + 1, a.num_hidden_layers)
     w.finish()
 
 
-def _ple_buffer(name: str, a: ModelArgs, ple: dict[int, int]) -> Tensor:
-    layer = int(name.split(".")[1])
-    primes, offsets, _ = table_rows(a, ple[layer])
-    if name.endswith("layer_multipliers"):
-        vals = layer_multipliers(a.vocab_size, a.ngram_size, ple[layer], a.seed)
-    else:
-        vals = primes if name.endswith("vocab_sizes") else offsets
-    return torch.tensor(vals, dtype=torch.int64)
-
-
-def _write_experts(w: _ShardWriter, layer: int, a: ModelArgs, fmt: str, gen: torch.Generator,
-                   fix, dtype: torch.dtype) -> None:
-    for e in range(a.num_experts):
-        for proj, (n, k) in expert_specs(a).items():
-            base = PREFIX + expert_name(layer, e, proj)
-            if fmt == "bf16":
-                w.add(base + ".weight", fix(base, _init((n, k), "linear", gen)).to(dtype))
-            else:
-                packed, scale, g = _random_nvfp4(n, k, gen)
-                for name, t in nvfp4.to_checkpoint(fmt, base, packed, scale, g).items():
-                    w.add(name, t)
+def _add_expert(w: _ShardWriter, item: ExpertTensors, fmt: str) -> None:
+    for proj, t in item.parts.items():
+        base = PREFIX + expert_name(item.layer, item.index, proj)
+        if fmt == "bf16":
+            w.add(base + ".weight", t)
+        else:
+            for name, x in nvfp4.to_checkpoint(fmt, base, *t).items():
+                w.add(name, x)
 
 
 def _unquantized_modules() -> list[str]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from collections.abc import Mapping
 from typing import TextIO
 
@@ -91,9 +92,31 @@ def audit(model: str | None, settings: Settings, env: Mapping[str, str], every: 
     return 1 if why else 0
 
 
+@dataclass(frozen=True)
+class Synthetic:
+    """A random-weight model bench builds in memory (`--synthetic`), as `ftchat synth` would."""
+
+    preset: str
+    layers: int | None
+    fmt: str
+
+    def load(self, settings: Settings, err: TextIO):
+        from ftchat.model.synth import FORMATS
+        from ftchat.model.synth_memory import synthetic_model
+
+        if self.fmt not in FORMATS:
+            raise FtchatError(f"--format {self.fmt!r}: expected {', '.join(FORMATS)}")
+        if self.layers is not None and self.layers < 2:
+            raise FtchatError("--layers must be at least 2")
+        with progress_bar(err, "building") as bar:
+            return synthetic_model(self.preset, self.layers, self.fmt,
+                                   settings.torch_device(), settings.torch_dtype(), progress=bar)
+
+
 def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
           contexts: str, steps: int, rounds: int, as_json: bool,
-          out: TextIO | None = None, err: TextIO | None = None) -> int:
+          out: TextIO | None = None, err: TextIO | None = None,
+          synthetic: Synthetic | None = None) -> int:
     from ftchat.commands.bench import bench_context, parse_arms
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -101,7 +124,7 @@ def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: s
         raise FtchatError("--steps and --rounds must be >= 1")
     arm_settings = parse_arms(arms, settings)  # usage errors before the model loads
     ctxs = [_tokens(c) for c in contexts.split(",")]
-    m, _ = _load(model, settings, env, err)
+    m = synthetic.load(settings, err) if synthetic else _load(model, settings, env, err)[0]
     res = {}
     for ctx in ctxs:
         res[ctx] = bench_context(m, arm_settings, ctx, settings, steps, rounds)
