@@ -1,5 +1,5 @@
 """Settings: one frozen object, resolved once at start-up from CLI flags, then the
-`FREETOKEN_MOE_*` environment variables of the seeds, then defaults (DESIGN.md section 1).
+`FREETOKEN_MOE_*` environment variables of the seeds, then defaults (docs/design.md section 1).
 
 Nothing else in ftchat reads these variables: the CLI passes `os.environ` in here.
 """

@@ -1,4 +1,4 @@
-"""NVFP4 codec: expected values are written by hand from ARCH.md section 5.3, not produced by it."""
+"""NVFP4 codec: expected values are written by hand from docs/model.md section 12, not produced by it."""
 
 from __future__ import annotations
 

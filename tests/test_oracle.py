@@ -129,7 +129,7 @@ def test_checkpoint_saved_by_transformers(tmp_path, ref_bf16):
 
 def test_bfloat16_compute_stays_close(tiny_bf16, ref_bf16):
     """bf16 activations on the same weights: the reference in fp32 is the target; routing flips
-    make whole-model bf16 comparisons loose (ARCH 10), so only the prefill is compared."""
+    make whole-model bf16 comparisons loose (docs/model.md section 10), so only the prefill is compared."""
     m = load_model(tiny_bf16, dtype=torch.bfloat16)
     p = prompt(16, 7)
     ours = prefill(m, DecodeState.create(m.args, 1, 32, "cpu", torch.bfloat16), 0, torch.tensor(p),

@@ -220,7 +220,7 @@ class Checkpoint:
 
     def _ngram_table(self, name: str, parts: list[str], dtype: torch.dtype,
                      in_place_bytes: int) -> Tensor | NGramTable:
-        """The n-gram table (host memory, ARCH 7.4): fp8 times its scalar scale, or float."""
+        """The n-gram table (host memory, docs/model.md section 7.4): fp8 times its scalar scale, or float."""
         scale_name = name[: -len(".weight")] + ".weight_scale"
         scale = float(self.get(scale_name).float()) if self.has(scale_name) else None
         rows = sum(self._open(self.files[self._full(p)]).get_slice(self._full(p)).get_shape()[0]

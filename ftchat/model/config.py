@@ -92,7 +92,7 @@ class ModelArgs:
 
 
 # Fields with no default: the model's size. transformers' Qwen4ExpTextConfig has constructor
-# defaults for most of them (ARCH.md 1.1), but those describe no released checkpoint (hidden 2048
+# defaults for most of them (docs/model.md section 1.1), but those describe no released checkpoint (hidden 2048
 # and 40 layers, where Qwen3.8-Flash-Next has 2560 and 48), so a config.json without one does
 # not say which model it is: guessing gave wrong figures. The QSA fields have no HF default at
 # all. Every other field keeps its HF default: architecture constants and switches whose default

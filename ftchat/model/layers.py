@@ -1,6 +1,6 @@
 """Leaf ops of the qwen4_exp decoder: norms, rotary embedding, projections.
 
-Precision follows the reference (ARCH.md section 10): RMS statistics in fp32, zero-centred weights
+Precision follows the reference (docs/model.md section 10): RMS statistics in fp32, zero-centred weights
 applied as (1 + w) in fp32, results cast back to the activation dtype.
 """
 

@@ -1,4 +1,4 @@
-"""NVFP4 codec (ARCH.md section 5.3): E2M1 nibbles, e4m3 block scales of 16, one fp32 global.
+"""NVFP4 codec (docs/model.md section 12): E2M1 nibbles, e4m3 block scales of 16, one fp32 global.
 
 For W [N, K] (K % 16 == 0): packed uint8 [N, K/2], block_scale float8_e4m3fn [N, K/16], and a
 dequant-side global g, so that W[n, k] = E2M1[code] * fp32(block_scale[n, k // 16]) * g.

@@ -1,4 +1,4 @@
-"""Per-layer hashed n-gram embedding (PLE, ARCH.md section 7).
+"""Per-layer hashed n-gram embedding (PLE, docs/model.md section 7).
 
 Legend: B batch, T tokens, D hidden, hc streams, nh n-gram heads, dh row width.
 State per sequence: ctx [2] previous token ids (eos at the start), conv [hc*D, 9] of the conv input.

@@ -1,4 +1,4 @@
-"""The packed per-expert row: what the host store and the slot cache hold (DESIGN.md section 4).
+"""The packed per-expert row: what the host store and the slot cache hold (docs/model.md section 13).
 
 bf16 row:  gate_up [2I, H] | down [H, I]                      (model dtype bytes)
 NVFP4 row: gate_up packed [2I, H/2] u8 | gate_up scales [2I, H/16] e4m3 | gate_up globals [2I] f32

@@ -1,4 +1,4 @@
-"""The tensor inventory of a qwen4_exp checkpoint (ARCH.md section 1.2), derived from ModelArgs.
+"""The tensor inventory of a qwen4_exp checkpoint (docs/model.md section 1.2), derived from ModelArgs.
 
 Names are relative to the text-model prefix (`model.language_model.` in the real checkpoint,
 `model.` in a transformers save), except `lm_head.weight`. Used to validate what the reader finds

@@ -20,7 +20,7 @@ from ftchat.errors import ModelError
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"
-# Offsets from `special_base` of the real Qwen3.5+ ids (ARCH section 9: 248044.., 248068/9).
+# Offsets from `special_base` of the real Qwen3.5+ ids (docs/model.md section 9: 248044.., 248068/9).
 SPECIAL_OFFSETS = {ENDOFTEXT: 0, IM_START: 1, IM_END: 2, THINK: 24, END_THINK: 25}
 # Qwen marks the think tags as plain added tokens (special=False): they survive skip_special.
 NOT_SPECIAL = {THINK, END_THINK}

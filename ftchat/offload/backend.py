@@ -1,6 +1,6 @@
 """The offloaded expert backend: slot cache, demand copies, prefetch from a router lookahead.
 
-One MoE block of layer L (DESIGN.md section 3), in program order:
+One MoE block of layer L (docs/design.md section 3), in program order:
   predictor: fork at the block start; layer L+1's router on router_in(L) -> candidates(L+1)
   compute:   wait prefetch_done(L) (the join), ensure(L) -> demand plan;
              prefetch_ensure(L+1) after the predictor's event -> prefetch plan

@@ -1,4 +1,4 @@
-"""Slot maps of the expert cache and the operations that write them (DESIGN.md section 4).
+"""Slot maps of the expert cache and the operations that write them (docs/design.md section 4).
 
 This torch-op code is the specification and the CPU path; the fused Triton kernels must leave the
 same map state and plans. Every operation has fixed shapes and never syncs the host: masked writes

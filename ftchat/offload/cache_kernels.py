@@ -3,7 +3,7 @@
 `ensure_triton` and `prefetch_ensure_triton` are one single-program kernel launch each and leave
 the same map state, counters and plans as the torch specification in `cache.py` (sinks aside,
 whose values are unspecified there). On CUDA the torch ops cost ~82 us per layer under graph
-replay (DESIGN.md section 5); these kernels never sync the host and have fixed launch shapes.
+replay (docs/design.md section 5); these kernels never sync the host and have fixed launch shapes.
 
 How one kernel works: the B*K (or C) ids are a small register vector (dedup by an [M, M]
 comparison, ranks by cumsum); the keys of all S slots are a register tile, with the slots that

@@ -1,4 +1,4 @@
-"""Copy planned expert rows from the host store into the GPU slot bank (DESIGN.md section 5).
+"""Copy planned expert rows from the host store into the GPU slot bank (docs/design.md section 5).
 
 A plan is src [M] int64 (host row = global expert id), dst [M] int32 (slot) and count [1] int32,
 all on the bank's device; entries >= count are unused (they point at the sinks: src N, dst S).

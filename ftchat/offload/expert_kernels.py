@@ -283,7 +283,7 @@ def routed_experts_decode_ref(x: Tensor, bank: Tensor, layout: RowLayout, slots:
 def routed_experts_any(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
                        weights: Tensor) -> Tensor:
     """Routed experts from the slot bank: the Triton kernels on CUDA for decode-sized batches,
-    else the torch reference. x [T, D]; slots, ids, weights [T, K]."""
+    else the torch path (experts.routed_experts). x [T, D]; slots, ids, weights [T, K]."""
     if x.is_cuda and HAS_TRITON and x.shape[0] <= DECODE_MAX_TOKENS:
         return routed_experts_triton(x, bank, layout, slots, weights)
     return routed_experts(x, bank, layout, slots, ids, weights)

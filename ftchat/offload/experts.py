@@ -1,8 +1,9 @@
-"""Routed expert compute that reads weights straight from packed rows by slot id (torch reference).
+"""Routed expert compute that reads weights straight from packed rows by slot id (torch path).
 
-This is the CPU path and the reference for the Triton kernels. Experts are accumulated in
-ascending expert-id order (as the transformers reference does), so the result does not depend on
-which slot holds an expert.
+This is the CPU path and, on CUDA, the path of prefill-sized batches; it follows transformers' order
+(experts accumulated in ascending expert-id order, in the activation dtype), so the result does
+not depend on which slot holds an expert. The Triton decode kernels accumulate in fp32 instead;
+their reference is `expert_kernels.routed_experts_decode_ref`.
 Legend: T tokens, D hidden, K top-k, I expert inner dim, R row bytes.
 """
 

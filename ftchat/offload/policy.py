@@ -1,4 +1,4 @@
-"""Eviction keys of the slot cache: three bands and two policies (DESIGN.md section 4).
+"""Eviction keys of the slot cache: three bands and two policies (docs/design.md section 4).
 
 A slot's key is one int64; the slot with the lowest key is evicted first (ties: lowest slot index).
 
