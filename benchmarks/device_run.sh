@@ -1,29 +1,29 @@
 #!/usr/bin/env bash
-# One device call's worth of checks (about 6 minutes on an H200): the GPU test tier file by file,
-# kernel figures, and verify/audit/run on a flash-next-geometry synthetic model. Logs to $OUT.
-#   run(command="bash benchmarks/device_run.sh", timeout_s=600)
-# Training the demo model is a separate call: docs/training.md.
+# One device call's worth of checks on an H200: the GPU test tier file by file, then the fused
+# kernels' micro-benchmarks. Logs to $OUT. Usage (one call):
+#   run(command="bash benchmarks/device_run.sh [tests|micro|all]", timeout_s=600)
+# The 48-layer decode figures are benchmarks/device_bench48.sh (a call of their own).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
+what=${1:-all}
 gpu() {  # name, seconds, pytest args...
   local name=$1 secs=$2; shift 2
   timeout "$secs" python3 -m pytest -m gpu -q -rf -p no:cacheprovider "$@" > "$O/gpu_$name.log" 2>&1
   echo "gpu $name rc=$?: $(tail -1 "$O/gpu_$name.log")"
 }
-gpu offload 200 tests/gpu/test_offload_gpu.py
-gpu kernels 120 -s tests/gpu/test_kernels_gpu.py tests/gpu/test_cache_gpu.py \
-  tests/gpu/test_cache_kernels_graph_gpu.py
-CACHE_KERNEL_STEPS=100 gpu cache_kernels 150 tests/gpu/test_cache_kernels_gpu.py
-grep "us per layer" "$O/gpu_kernels.log" | grep triton
-M=/tmp/fn4
-timeout 60 python3 -m ftchat.cli synth $M --preset flash-next --layers 4 --format nvfp4-modelopt \
-  > /dev/null 2>&1
-timeout 90 python3 -m ftchat.cli verify $M --mode meta --prompts 30 --max-new-tokens 16 \
-  --budget 4 --slots 137 --json > "$O/verify.json" 2> "$O/verify.err"; echo "verify rc=$?"
-for p in on off; do
-  timeout 40 python3 -m ftchat.cli run $M --prompt "hello" --max-new-tokens 16 --slots 137 \
-    --prefetch $p --json > "$O/run_$p.json" 2> "$O/run_$p.err"; echo "run prefetch=$p rc=$?"
-done
-cmp <(python3 -c "import json;print(json.loads(open('$O/run_on.json').read())['tokens'])") \
-    <(python3 -c "import json;print(json.loads(open('$O/run_off.json').read())['tokens'])") \
-  && echo "run: prefetch on == off tokens"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  gpu fused 240 tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_hyper_router_gpu.py \
+    $(ls tests/gpu/test_qsa_decode_gpu.py tests/gpu/test_moe_fused_gpu.py 2>/dev/null)
+  gpu offload 200 tests/gpu/test_offload_gpu.py
+  gpu kernels 150 tests/gpu/test_kernels_gpu.py tests/gpu/test_cache_gpu.py \
+    tests/gpu/test_cache_kernels_graph_gpu.py tests/gpu/test_profile_gpu.py \
+    tests/gpu/test_synth_memory_gpu.py
+  gpu cache_kernels 120 tests/gpu/test_cache_kernels_gpu.py
+fi
+if [ "$what" = micro ] || [ "$what" = all ]; then
+  for b in bench_gdn_decode bench_hyper_router bench_qsa_decode bench_routed_nvfp4; do
+    [ -f benchmarks/$b.py ] || continue
+    timeout 120 python3 benchmarks/$b.py --out "$O/$b.json" > "$O/$b.log" 2>&1
+    echo "$b rc=$?: $(tail -1 "$O/$b.log" | cut -c1-200)"
+  done
+fi

@@ -78,17 +78,19 @@ class Arm:
     fused: bool
     experts: ExpertBackend
     steps: object  # the arm's engine.decode iterator
-    extra_vram: int  # bytes its backend and decoder allocated
+    extra_vram: int  # bytes its decoder and own backend allocated (not the shared resident rows)
     times: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     tokens: int = 0
 
 
 def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
-             max_len: int) -> Arm:
+             max_len: int, resident: ExpertBackend | None) -> Arm:
+    """An arm's backend and decode iterator; resident arms share `resident` (it holds no
+    state, and the real model's rows fill most of the GPU once)."""
     s = spec.settings
     before = _allocated(m)
-    ex = resident_backend(m) if s is None else build_experts(m, s)
+    ex = resident if s is None else build_experts(m, s)
     with fused_kernels(spec.fused):  # a captured graph keeps the choice
         dec = Decoder(m, ex, 1, max_len, graph=(base if s is None else s).use_graph())
         steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
@@ -121,7 +123,9 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     if max_len > m.args.max_position_embeddings:
         raise FtchatError(f"context {ctx} + {(rounds + 1) * steps} bench tokens exceeds the "
                           f"model's {m.args.max_position_embeddings} positions")
-    built = [make_arm(m, name, s, base, ctx, max_len) for name, s in arms.items()]
+    resident = resident_backend(m) if any(a.settings is None for a in arms.values()) else None
+    built = [make_arm(m, name, spec, base, ctx, max_len, resident)
+             for name, spec in arms.items()]
     for arm in built:  # warm-up round (fills the caches), not counted
         run_round(arm, steps)
         arm.times, arm.tokens, arm.counts = [], 0, dict.fromkeys(COUNTERS, 0)
@@ -154,7 +158,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     for a in built:
         a.steps.close()
         a.experts.close()
-    del built
+    del built, resident
     if m.device.type == "cuda":
         torch.cuda.empty_cache()
     return out
