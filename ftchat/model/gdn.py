@@ -1,7 +1,12 @@
 """Gated DeltaNet mixer (ARCH.md section 6): causal conv, chunked prefill, recurrent decode step.
 
-Legend: B batch, T tokens, D hidden, C conv channels, Hk/Hv key/value heads, dk/dv head dims.
+Legend: B batch, T tokens, D hidden, C conv channels, Hk/Hv key/value heads, dk/dv head dims,
+N = C + Hv*dv + 2*Hv fused projection rows [qkv | z | b | a].
 State per sequence: conv [C, Kc-1] (last pre-activation inputs) and S [Hv, dk, dv] fp32.
+
+`gdn_mixer_ref` is the torch path (CPU, prefill) and the reference; on CUDA a decode step (T == 1)
+runs `gdn_decode_fused`: one GEMV on the fused input projection, one Triton kernel
+(ftchat/kernels/gdn_decode.py), the out_proj GEMV.
 """
 
 from __future__ import annotations
@@ -10,10 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ftchat.kernels import use_fused
+from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import gated_rms_norm, l2norm
 
 CHUNK = 64
+PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
+FUSED = "in_proj_fused.weight"  # [N, D]; the four PROJECTIONS entries are row views of it
 
 
 def causal_conv(u: Tensor, conv_state: Tensor, w: Tensor) -> Tensor:
@@ -68,15 +77,84 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     return out.flatten(2, 3)[:, :, :T]
 
 
+def fuse_gdn_projections(w: dict) -> dict[str, Tensor]:
+    """Concatenate one GDN layer's four input projections into w[FUSED] [N, D] (one GEMV at decode)
+    and replace the four entries of w by row views of it, so the originals can be freed (no
+    memory doubles once no other reference holds them). Only for dense 2-D float weights on one
+    device and dtype; returns the replaced entries (empty when nothing was fused)."""
+    parts = [w.get(n) for n in PROJECTIONS]
+    if FUSED in w or not all(_dense_2d(p) for p in parts):
+        return {}
+    if len({(p.device, p.dtype, p.shape[1]) for p in parts}) != 1:
+        return {}
+    fused = torch.cat(parts)  # [N, D]
+    views, row = {}, 0
+    for name, p in zip(PROJECTIONS, parts):
+        views[name] = fused[row : row + p.shape[0]]
+        row += p.shape[0]
+    w.update(views)
+    w[FUSED] = fused
+    return views
+
+
+def fuse_gdn_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
+    """fuse_gdn_projections on every layer's `linear_attn` dict (Weights does this at load), with
+    the same views put into the flat checkpoint-name dict, so nothing holds the originals. On CUDA
+    their blocks go back to the driver after each layer (the allocator cannot reuse them for the
+    larger fused tensor): the expert slots are sized from free VRAM, and the peak stays one
+    layer's projections."""
+    for i, lw in enumerate(layers):
+        views = fuse_gdn_projections(lw.get("linear_attn", {}))
+        for name, view in views.items():
+            tensors[f"layers.{i}.linear_attn.{name}"] = view
+        if views and views[PROJECTIONS[0]].is_cuda:
+            torch.cuda.empty_cache()
+
+
+def _dense_2d(t) -> bool:
+    return type(t) is Tensor and t.dim() == 2 and t.is_floating_point() and t.is_contiguous()
+
+
 def gdn_mixer(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:
-    """x [B, T, D] -> [B, T, D]; decode (T == 1) runs the recurrence, prefill the chunked form."""
-    B, T, _ = x.shape
-    Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads,
-                      a.linear_key_head_dim, a.linear_value_head_dim)
-    u = F.linear(x, w["in_proj_qkv.weight"])  # [B, T, 2*Hk*dk + Hv*dv]
-    z = F.linear(x, w["in_proj_z.weight"]).unflatten(-1, (Hv, dv))  # [B, T, Hv, dv]
-    b = F.linear(x, w["in_proj_b.weight"])  # [B, T, Hv]
-    g_in = F.linear(x, w["in_proj_a.weight"])  # [B, T, Hv]
+    """x [B, T, D] -> [B, T, D]; conv_state [B, C, Kc-1] and S [B, Hv, dk, dv] advance in place.
+    CUDA decode (T == 1): the fused path; otherwise (CPU, prefill) the torch reference."""
+    if x.shape[1] == 1 and use_fused(x) and gdn_decode_supported(_dims(a)):
+        return gdn_decode_fused(x, w, conv_state, S, a)
+    return gdn_mixer_ref(x, w, conv_state, S, a)
+
+
+def gdn_decode_fused(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:
+    """One decode step x [B, 1, D] -> [B, 1, D]: fused projection GEMV, the Triton kernel
+    (conv, q/k norm, gates, delta rule, gated norm), out_proj. Static shapes, no host sync."""
+    if FUSED in w:
+        proj = F.linear(x[:, 0], w[FUSED])  # [B, N]
+    else:  # weights that could not be fused (e.g. kept in another format): four GEMVs
+        proj = torch.cat([F.linear(x[:, 0], w[n]) for n in PROJECTIONS], dim=-1)
+    o = gdn_decode_step(proj, conv_state, S, w["conv1d.weight"], w["A_log"], w["dt_bias"],
+                        w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type)
+    return F.linear(o, w["out_proj.weight"])[:, None]  # [B, 1, D]
+
+
+def _dims(a: ModelArgs) -> tuple[int, int, int, int]:
+    return (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
+            a.linear_value_head_dim)
+
+
+# ===== torch path and reference =====
+
+
+def gdn_project(x: Tensor, w: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The four input projections of x [B, T, D]: u [B, T, C], z [B, T, Hv*dv], b, a [B, T, Hv]."""
+    return tuple(F.linear(x, w[n]) for n in PROJECTIONS)
+
+
+def gdn_core_ref(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tensor, S: Tensor,
+                 w: dict, a: ModelArgs) -> Tensor:
+    """Everything between the projections and out_proj, in torch: conv, q/k l2norm, gates, delta
+    rule (T == 1: the recurrence, else chunked), gated norm -> [B, T, Hv*dv] in u's dtype."""
+    T = u.shape[1]
+    Hk, Hv, dk, dv = _dims(a)
+    z = z.unflatten(-1, (Hv, dv))  # [B, T, Hv, dv]
     c = causal_conv(u, conv_state, w["conv1d.weight"].squeeze(1))
     q, k, v = c.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
     rep = Hv // Hk  # value head h reads key head h // rep
@@ -91,5 +169,11 @@ def gdn_mixer(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -
         o = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)[:, None]
     else:
         o = delta_rule_chunked(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), S).transpose(1, 2)
-    o = gated_rms_norm(o.to(x.dtype), z, w["norm.weight"], a.rms_norm_eps, a.output_gate_type)
-    return F.linear(o.flatten(-2), w["out_proj.weight"])
+    o = gated_rms_norm(o.to(u.dtype), z, w["norm.weight"], a.rms_norm_eps, a.output_gate_type)
+    return o.flatten(-2)
+
+
+def gdn_mixer_ref(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:
+    """x [B, T, D] -> [B, T, D] in torch; decode (T == 1) runs the recurrence, prefill chunks."""
+    u, z, b, g_in = gdn_project(x, w)
+    return F.linear(gdn_core_ref(u, z, b, g_in, conv_state, S, w, a), w["out_proj.weight"])

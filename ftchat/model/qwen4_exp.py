@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ftchat.kernels import hyper, router, use_fused
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend
-from ftchat.model.gdn import gdn_mixer
+from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import rms_norm, swiglu
 from ftchat.model.ple import ple_layer
 from ftchat.model.qsa import attention_mixer
@@ -32,13 +33,29 @@ class Weights:
             {b: _sub(tensors, f"layers.{i}.{b}.") for b in BLOCKS} for i in range(num_layers)
         ]
         self.final_mixer = _sub(tensors, "hyper_connection_mixer.")
+        fuse_gdn_layers(tensors, self.layers)  # GDN decode: one GEMV on [qkv | z | b | a]
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
 
 
+def _fused(t: Tensor, max_rows: int) -> bool:
+    # the Triton decode kernels: CUDA, bf16/fp32, at most max_rows rows (shapes only, no sync)
+    return (use_fused(t) and t.dtype in (torch.bfloat16, torch.float32)
+            and t.numel() <= max_rows * t.shape[-1])
+
+
 def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
-    """Hyper-connection mix: block input x [.., D] and injection weights s [.., hc] from R [.., hc*D]."""
+    """Hyper-connection mix: block input x [.., D] and injection weights s [.., hc] from
+    R [.., hc*D]. Fused kernels (ftchat/kernels/hyper.py) for CUDA decode, else `hc_read_ref`."""
+    if not _fused(R, hyper.HC_MAX_ROWS):
+        return hc_read_ref(R, w, a, inject)
+    _, x, s = hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, inject=inject)
+    return (x, s) if inject else x
+
+
+def hc_read_ref(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
+    """The torch reference (and CPU path) of `hc_read`; every op in R's dtype, RMS in fp32."""
     D, hc = a.hidden_size, a.hc_count
     Rn = rms_norm(R, w["hc_norm.weight"], a.rms_norm_eps, group=D)
     m = F.silu(F.linear(Rn, w["input_mix_weight_down.weight"]) / hc)
@@ -51,12 +68,40 @@ def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
 
 
 def hc_write(R: Tensor, y: Tensor, s: Tensor) -> Tensor:
-    """R_i += s_i * y for every stream i."""
+    """R_i += s_i * y for every stream i (out of place); one kernel on CUDA decode."""
+    if _fused(R, hyper.HC_MAX_ROWS):
+        return hyper.hc_write_triton(R, y, s)
+    return hc_write_ref(R, y, s)
+
+
+def hc_write_ref(R: Tensor, y: Tensor, s: Tensor) -> Tensor:
     return R + (y[..., None, :] * s[..., :, None]).flatten(-2)
 
 
+def hc_write_read(R: Tensor, y: Tensor | None, s: Tensor | None, w: dict, a: ModelArgs,
+                  inject: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The previous block's write then the next mix: (R', x, s') with R' = hc_write(R, y, s)
+    (R when y is None) and x, s' = hc_read(R'); s' is None without inject. On CUDA decode the
+    write rides in the read's two kernels (they read R anyway), so it costs no launch."""
+    if _fused(R, hyper.HC_MAX_ROWS):
+        return hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, y, s, inject)
+    if y is not None:
+        R = hc_write_ref(R, y, s)
+    out = hc_read_ref(R, w, a, inject)
+    return (R, *out) if inject else (R, out, None)
+
+
 def route(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
-    """Softmax router: top-k ids [T, K] and weights [T, K] (renormalised, model dtype)."""
+    """Softmax router: top-k ids [T, K] and weights [T, K] (renormalised, model dtype).
+    On CUDA decode: the GEMV, then one kernel (ftchat/kernels/router.py), else `route_ref`."""
+    if not _fused(x, router.ROUTER_MAX_ROWS):
+        return route_ref(x, gate_w, a)
+    logits = F.linear(x, gate_w)  # [T, E], the reference's GEMV: identical logits
+    return router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob)
+
+
+def route_ref(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
+    """The torch reference (and CPU path) of `route`."""
     probs = torch.softmax(F.linear(x, gate_w), dim=-1, dtype=torch.float32)  # [T, E]
     top, ids = torch.topk(probs, a.num_experts_per_tok, dim=-1)
     if a.norm_topk_prob:
@@ -85,24 +130,26 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
     """
     x = W["embed_tokens.weight"][tokens]  # [B, T, D]
     R = x.repeat(1, 1, a.hc_count)  # [B, T, hc*D]
+    y = s = None  # the last block's output and injection: its write R += s*y rides in the next read
     for i in range(a.num_hidden_layers):
         lw = W.layers[i]
         if i in a.ple_layers:
+            if y is not None:
+                R, y = hc_write(R, y, s), None
             ple = {"ctx": state.ple_ctx[rows], "conv": state.ple_conv[i][rows]}
             R = R + ple_layer(R, tokens, lw["ple"], ple, a)
-        h, s = hc_read(R, lw["attn_hyper_connection"], a)
+        R, h, s = hc_write_read(R, y, s, lw["attn_hyper_connection"], a)
         if a.is_attention(i):
             cache = {k: c[rows] for k, c in state.kv[i].items()}
             y = attention_mixer(h, lw["self_attn"], cache, pos, kv_len, a)
         else:
             y = gdn_mixer(h, lw["linear_attn"], state.conv[i][rows], state.recurrent[i][rows], a)
-        R = hc_write(R, y, s)
-        h, s = hc_read(R, lw["mlp_hyper_connection"], a)
-        R = hc_write(R, moe_block(i, h, lw["mlp"], experts, a), s)
+        R, h, s = hc_write_read(R, y, s, lw["mlp_hyper_connection"], a)
+        y = moe_block(i, h, lw["mlp"], experts, a)
     n = a.ngram_size - 1
     ctx = state.ple_ctx[rows]
     ctx.copy_(torch.cat([ctx, tokens.to(ctx.dtype)], dim=1)[:, -n:])
-    h = hc_read(R, W.final_mixer, a, inject=False)
+    _, h, _ = hc_write_read(R, y, s, W.final_mixer, a, inject=False)
     return F.linear(h, W["lm_head.weight"])
 
 

@@ -1,0 +1,193 @@
+"""Hyper-connection and router decode cost on the device (H200): the torch references vs the fused
+Triton kernels, per call under CUDA-graph replay at the real geometry (D=2560, hc=4, L=320,
+E=512, K=10, bf16), and kernels per call (torch.profiler, one eager call).
+
+    python benchmarks/bench_hyper_router.py --out docs/bench_hyper_router.json [--sweep]
+
+Each graph holds REPS calls in a row, cycling through distinct weight sets (more bytes than L2),
+so the figure is a call's steady-state cost inside a long graph, weights from HBM as in decode.
+Ops: hc_read; hc_write_read (the write folded into the next read); hc_write alone; route; and
+"layer" = what one decoder layer spends on these: 2 x hc_write_read + route.
+--sweep also times a few kernel tile choices for hc_write_read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from ftchat.kernels import hyper, router
+from ftchat.model import qwen4_exp as q
+
+D, HC, L, E, K = 2560, 4, 320, 512, 10
+C = HC * D
+REPS = 24  # calls per graph
+SETS = 8  # distinct weight sets: 8 x 13 MB of HC weights (H200 L2: 50 MB)
+DEV = "cuda"
+ARGS = SimpleNamespace(hidden_size=D, hc_count=HC, rms_norm_eps=1e-6, num_experts_per_tok=K,
+                       norm_topk_prob=True)
+
+
+def _hc_weights() -> dict:
+    def rnd(*shape, scale):
+        return (torch.randn(*shape, device=DEV) * scale).bfloat16()
+    return {"hc_norm.weight": rnd(C, scale=0.1),
+            "input_mix_weight_down.weight": rnd(L, C, scale=C ** -0.5),
+            "input_mix_weight_up.weight": rnd(C, L, scale=L ** -0.5),
+            "block_inject_weight.weight": rnd(HC, C, scale=C ** -0.5)}
+
+
+def _inputs(bs: int) -> dict:
+    return {"R": torch.randn(bs, 1, C, device=DEV).bfloat16(),
+            "y": torch.randn(bs, 1, D, device=DEV).bfloat16(),
+            "s": (2 * torch.rand(bs, 1, HC, device=DEV)).bfloat16(),
+            "x": torch.randn(bs, D, device=DEV).bfloat16()}
+
+
+# one call of each op, torch and fused; w: an HC weight set, g: a router weight
+def _ops(tiles=None):
+    return {
+        "hc_read": (lambda t, w, g: q.hc_read_ref(t["R"], w, ARGS),
+                    lambda t, w, g: hyper.hc_mix_triton(t["R"], w, HC, 1e-6, tiles=tiles)),
+        "hc_write_read": (
+            lambda t, w, g: q.hc_read_ref(q.hc_write_ref(t["R"], t["y"], t["s"]), w, ARGS),
+            lambda t, w, g: hyper.hc_mix_triton(t["R"], w, HC, 1e-6, t["y"], t["s"],
+                                                tiles=tiles)),
+        "hc_write": (lambda t, w, g: q.hc_write_ref(t["R"], t["y"], t["s"]),
+                     lambda t, w, g: hyper.hc_write_triton(t["R"], t["y"], t["s"])),
+        "route": (lambda t, w, g: q.route_ref(t["x"], g, ARGS),
+                  lambda t, w, g: router.router_topk_triton(F.linear(t["x"], g), K, True)),
+        "layer": (lambda t, w, g: _layer(t, w, g, fused=False),
+                  lambda t, w, g: _layer(t, w, g, fused=True, tiles=tiles)),
+    }
+
+
+def _layer(t, w, g, fused: bool, tiles=None):
+    # the HC and router work of one decoder layer (the mixer and experts left out)
+    if fused:
+        R, x, s = hyper.hc_mix_triton(t["R"], w, HC, 1e-6, t["y"], t["s"], tiles=tiles)
+        R, x, s = hyper.hc_mix_triton(R, w, HC, 1e-6, x, s, tiles=tiles)
+        return router.router_topk_triton(F.linear(x.flatten(0, 1), g), K, True)
+    R = q.hc_write_ref(t["R"], t["y"], t["s"])
+    x, s = q.hc_read_ref(R, w, ARGS)
+    R = q.hc_write_ref(R, x, s)
+    x, s = q.hc_read_ref(R, w, ARGS)
+    return q.route_ref(x.flatten(0, 1), g, ARGS)
+
+
+def timed_graph(fn, t, ws, gs, iters: int = 30) -> float:
+    """us per call: median replay time of a graph of REPS calls (weight sets cycled) / REPS."""
+    def body():
+        for i in range(REPS):
+            fn(t, ws[i % len(ws)], gs[i % len(gs)])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        body()  # Triton compiles, cuBLAS picks its kernels
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / REPS)
+    return sorted(times)[len(times) // 2]
+
+
+def kernels_of(fn, t, w, g) -> tuple[int, list[str]]:
+    """GPU kernels (and memcpy/memset) one eager call launches, by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(t, w, g)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(t, w, g)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(names), sorted(set(names))
+
+
+def _max_diff(a, b) -> float:
+    # the largest elementwise difference over the outputs (ids: count of differing entries)
+    out = 0.0
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,)):
+        if x is None or y is None:
+            continue
+        if x.dtype == torch.int64:
+            out = max(out, float((x != y).sum()))
+        else:
+            out = max(out, float((x.float() - y.float()).abs().max()))
+    return out
+
+
+def bench(bs_list, sweep: bool) -> dict:
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    ws = [_hc_weights() for _ in range(SETS)]
+    gs = [(torch.randn(E, D, device=DEV) * D ** -0.5).bfloat16() for _ in range(REPS)]
+    res = {}
+    for bs in bs_list:
+        t = _inputs(bs)
+        row = {}
+        for name, (ref, fused) in _ops().items():
+            n_ref, k_ref = kernels_of(ref, t, ws[0], gs[0])
+            n_fus, k_fus = kernels_of(fused, t, ws[0], gs[0])
+            r_us, f_us = timed_graph(ref, t, ws, gs), timed_graph(fused, t, ws, gs)
+            fo, ro = fused(t, ws[0], gs[0]), ref(t, ws[0], gs[0])
+            if name in ("hc_read", "hc_write_read"):
+                fo = fo[1:] if name == "hc_read" else (fo[0], fo[1], fo[2])
+                ro = ro if name == "hc_read" else (q.hc_write_ref(t["R"], t["y"], t["s"]), *ro)
+            row[name] = {"torch_us": round(r_us, 2), "fused_us": round(f_us, 2),
+                         "speedup": round(r_us / f_us, 2), "torch_kernels": n_ref,
+                         "fused_kernels": n_fus, "max_abs_diff": _max_diff(fo, ro),
+                         "fused_kernel_names": k_fus, "torch_kernel_names": k_ref}
+            print(bs, name, {k: v for k, v in row[name].items() if "names" not in k}, flush=True)
+        if sweep:
+            row["sweep_hc_write_read_us"] = {}
+            for tl_ in _sweep_tiles(bs):
+                fn = _ops(tl_)["hc_write_read"][1]
+                row["sweep_hc_write_read_us"][repr(tl_)] = round(timed_graph(fn, t, ws, gs), 2)
+                print(bs, tl_, row["sweep_hc_write_read_us"][repr(tl_)], flush=True)
+        res[f"bs{bs}"] = row
+    return res
+
+
+def _sweep_tiles(bs: int) -> list:
+    # kernel 1: rows per program x reduction step x warps; kernel 2: columns x step x warps
+    rb = hyper._rows_block(bs)
+    base = hyper.default_tiles(bs)
+    downs = [(base.down_rows, base.down_k, 4), (2, 1024 // rb, 4), (8, 512 // rb, 4),
+             (4, 1024 // rb, 8), (16, 256 // rb, 8)]
+    ups = [(base.up_cols, base.up_k, 4), (4, 128 // rb, 4), (32, 64 // rb, 8)]
+    out = [hyper.HcTiles(*d, *u) for d in downs for u in ups]
+    return out + [hyper.HcTiles(base.down_rows, base.down_k, 4, base.up_cols, base.up_k, 4,
+                                fp_fusion=True)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--bs", default="1,2,4,8")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    res = {"device": torch.cuda.get_device_name(), "geometry": dict(D=D, hc=HC, L=L, E=E, K=K),
+           "dtype": "bf16", "reps_per_graph": REPS, "weight_sets": SETS,
+           "results": bench([int(b) for b in args.bs.split(",")], args.sweep)}
+    print(json.dumps({k: v for k, v in res.items() if k != "results"}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
