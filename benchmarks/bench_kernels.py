@@ -107,7 +107,7 @@ def bench_ensure(num_layers: int = 48, E: int = 512, S: int = 1650, k: int = 10)
             def step():
                 ids.random_(0, E)
                 plan = ens(maps, 3, ids, pol)
-                pf(maps, 4, cands, 4, plan.slots, pol)
+                pf(maps, 4, cands, 4, plan.slots)
             g = graph_of(step)
             out[f"{impl}_{name}_ensure_plus_prefetch_us"] = timed(g.replay, 50) * 1e6
     return out

@@ -151,7 +151,7 @@ def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, 
                                 if ref.slot_of[nxt * num_experts + c] < 0})
             pp = cache.prefetch_ensure(ref, nxt, cands, budget, prot)
             if twin:
-                qq = prefetch_k(dev, nxt, cands.to(DEVICE), budget, prot.to(DEVICE), policy)
+                qq = prefetch_k(dev, nxt, cands.to(DEVICE), budget, prot.to(DEVICE))
                 assert_same_plan(pp, qq, (step, "prefetch"))
                 assert_same_maps(ref, dev, (step, "prefetch"))
                 cov.cut += int(pp.count) < min(budget, distinct_new)
@@ -269,7 +269,7 @@ def test_prefetch_skips_protected_and_resident_slots_and_stops_when_none_is_left
     # layer 1 ids are 8..15; slot 0 holds id 9 (a candidate below), slots 1..3 ids 0..2
     held = {0: (9, R(1)), 1: (0, R(2)), 2: (1, R(3)), 3: (2, R(2)), }
     m = build(2, 8, 6, held, 3, device)
-    pf = prefetch(m, 1, t([1, 5, 5, 6, 7]), 3, t([[1, 2]], dtype=torch.int32), LRU)
+    pf = prefetch(m, 1, t([1, 5, 5, 6, 7]), 3, t([[1, 2]], dtype=torch.int32))
     # candidates 13, 14, 15 selected; victims: empty 4, 5, then slot 3 (lowest unprotected;
     # slot 0 has the lowest key but holds the resident candidate 9)
     assert lists(pf) == ([13, 14, 15], [4, 5, 3], [3])
@@ -278,12 +278,12 @@ def test_prefetch_skips_protected_and_resident_slots_and_stops_when_none_is_left
                                        -1, 0, -1, -1, -1, 4, 5, 3]
     assert m.stats.prefetch_installs.tolist() == [0, 3]
     # everything but slot 4 blocked: one install of three, the rest of the plan at the sinks
-    pf = prefetch(m, 1, t([0, 2, 3, 4]), 3, t([0, 1, 2, 3, 5], dtype=torch.int32), LRU)
+    pf = prefetch(m, 1, t([0, 2, 3, 4]), 3, t([0, 1, 2, 3, 5], dtype=torch.int32))
     assert lists(pf) == ([8, 16, 16], [4, 6, 6], [1])
     assert m.id_of[:6].tolist() == [9, 0, 1, 15, 8, 14] and m.slot_of[13] == -1
     before = [x.clone() for x in maps_state(m)]
     for args in ((t([1, 0]), 2, NONE.to(device)), (t([3, 3]), 0, NONE.to(device))):
-        pf = prefetch(m, 1, *args, LRU)  # all resident / budget 0: nothing to do
+        pf = prefetch(m, 1, *args)  # all resident / budget 0: nothing to do
         assert pf.count.tolist() == [0] and pf.src.tolist() == [16] * args[1]
     assert all(torch.equal(x, y) for x, y in zip(before, maps_state(m)))
 
@@ -294,7 +294,7 @@ def test_keys_stay_exact_at_a_large_clock(impl):
     m = SlotMaps.create(2, 4, 4, device)
     m.clock.fill_(2**40 - 100)
     p = ensure(m, 0, torch.tensor([[0, 3]], device=device), RULE)
-    prefetch(m, 1, torch.tensor([2], device=device), 1, p.slots, RULE)
+    prefetch(m, 1, torch.tensor([2], device=device), 1, p.slots)
     assert m.key[:3].tolist() == [R(2**40 - 99), R(2**40 - 99), LOW(2**40 - 99)]
     p = ensure(m, 0, torch.tensor([[0, 1]], device=device), RULE)  # W = min(2, 4 // 2 - 2) = 0
     assert m.key[:4].tolist() == [R(2**40 - 98, 2), R(2**40 - 99), LOW(2**40 - 99),
@@ -330,7 +330,7 @@ def test_kernels_announce_the_maps_they_write_before_launching():
             if op == "ensure":
                 ensure(m, 1, torch.tensor([[3, 4]], device=device), RULE)
             else:
-                prefetch(m, 1, torch.tensor([3, 4], device=device), 2, NONE.to(device), RULE)
+                prefetch(m, 1, torch.tensor([3, 4], device=device), 2, NONE.to(device))
             seen[impl] = set(calls)
         assert seen["triton"] == seen["torch"] and seen["torch"], op
 

@@ -135,7 +135,7 @@ def _token(maps, ids, cands, ensure, prefetch):
         for layer in range(maps.num_layers):
             p = ensure(maps, layer, ids[layer], RULE)
             if prefetch is not None:
-                prefetch(maps, (layer + 1) % maps.num_layers, cands[layer], 4, p.slots, RULE)
+                prefetch(maps, (layer + 1) % maps.num_layers, cands[layer], 4, p.slots)
     return run
 
 
