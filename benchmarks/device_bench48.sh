@@ -18,5 +18,9 @@ res = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
 for ctx, arms in res.items():
     for name, v in arms.items():
         print(f"{ctx:>7} {name:<22} {v['tok_s']:8.1f} tok/s  {v['ms_per_layer']*1e3:7.1f} us/layer  "
-              f"kernels/layer {v['kernels_per_layer']}  misses/tok {v['misses_per_token']:.1f}")
+              f"kernels/layer {v['kernels_per_layer']:.1f}  busy {v['busy_us_per_layer']:.1f} us/layer  "
+              f"misses/tok {v['misses_per_token']:.1f}  setup {v['setup_s']:.1f} s")
+        if ctx == list(res)[0]:
+            for kname, count, us in v["top_kernels"][:10]:
+                print(f"            {us / 48:8.1f} us/layer {count:6d}x  {kname}")
 PY

@@ -9,7 +9,7 @@ The profiler slows the call: busy time is the device's, not a tok/s figure.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,12 @@ class CallProfile:
 
     kernels: int  # kernel launches (graph kernel nodes included)
     busy_us: float  # time any kernel ran: the union of their intervals (streams overlap)
+    by_name: dict[str, tuple[int, float]] = field(default_factory=dict)  # name -> (launches, us)
+
+    def top(self, n: int = 12) -> list[tuple[str, int, float]]:
+        """The n kernels that took the most device time: (name, launches, total us)."""
+        rows = sorted(self.by_name.items(), key=lambda kv: -kv[1][1])[:n]
+        return [(name, count, round(us, 1)) for name, (count, us) in rows]
 
     def per_layer(self, layers: int) -> tuple[float, float]:
         """(kernels, busy us) per layer of a `layers`-layer step."""
@@ -42,8 +48,18 @@ def profile_call(fn: Callable[[], object], device: str | torch.device) -> CallPr
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)  # SYNC: the call's kernels land inside the window
-    spans = [(e.time_range.start, e.time_range.end) for e in prof.events() if _is_kernel(e)]
-    return CallProfile(len(spans), union_us(spans))
+    kernels = [e for e in prof.events() if _is_kernel(e)]
+    by_name: dict[str, tuple[int, float]] = {}
+    for e in kernels:
+        count, us = by_name.get(_short(e.name), (0, 0.0))
+        by_name[_short(e.name)] = (count + 1, us + e.time_range.end - e.time_range.start)
+    spans = [(e.time_range.start, e.time_range.end) for e in kernels]
+    return CallProfile(len(spans), union_us(spans), by_name)
+
+
+def _short(name: str) -> str:
+    """A kernel's name without its template arguments (C++ names run to hundreds of chars)."""
+    return name.split("<", 1)[0].removeprefix("void ")[:80]
 
 
 def kernels_per_call(fn: Callable[[], object], device: str | torch.device) -> int | None:

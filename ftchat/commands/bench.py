@@ -79,6 +79,7 @@ class Arm:
     experts: ExpertBackend
     steps: object  # the arm's engine.decode iterator
     extra_vram: int  # bytes its decoder and own backend allocated (not the shared resident rows)
+    setup_s: float  # backend, decoder, graph capture (Triton compiles on first use) and prefill
     times: list[float] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(COUNTERS, 0))
     tokens: int = 0
@@ -89,13 +90,15 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
     """An arm's backend and decode iterator; resident arms share `resident` (it holds no
     state, and the real model's rows fill most of the GPU once)."""
     s = spec.settings
-    before = _allocated(m)
+    before, t = _allocated(m), time.perf_counter()
     ex = resident if s is None else build_experts(m, s)
     with fused_kernels(spec.fused):  # a captured graph keeps the choice
         dec = Decoder(m, ex, 1, max_len, graph=(base if s is None else s).use_graph())
         steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
         next(steps)  # the prefill of the start token
-    return Arm(name, m.device, spec.fused, ex, steps, _allocated(m) - before)
+    _sync(m.device)
+    return Arm(name, m.device, spec.fused, ex, steps, _allocated(m) - before,
+               time.perf_counter() - t)
 
 
 def run_round(arm: Arm, steps: int) -> None:
@@ -148,10 +151,11 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
             # round after its install, so a window's ratio could pass 1
             "precision": (total["prefetch_useful"] / total["prefetch_installs"]
                           if total.get("prefetch_installs") else None),
-            "extra_vram_mib": a.extra_vram / 2**20,
+            "extra_vram_mib": a.extra_vram / 2**20, "setup_s": a.setup_s,
             "kernels_per_step": prof.kernels if prof else None,
             "kernels_per_layer": prof.kernels / L if prof else None,
-            "busy_us_per_layer": prof.busy_us / L if prof else None}
+            "busy_us_per_layer": prof.busy_us / L if prof else None,
+            "top_kernels": prof.top() if prof else None}
     off = out.get("off", {}).get("tok_s")
     for v in out.values():
         v["vs_off"] = v["tok_s"] / off if off else None
