@@ -16,6 +16,7 @@ from torch import Tensor
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend
+from ftchat.model.ngram_table import HostTable
 from ftchat.model.qwen4_exp import Weights, forward
 from ftchat.model.rows import RowLayout
 from ftchat.model.state import DecodeState
@@ -43,17 +44,31 @@ class LoadedModel:
 
 
 def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               progress: Callable[[str, int, int], None] | None = None) -> LoadedModel:
-    """Read a checkpoint folder: dense weights to `device`, expert rows to host memory."""
+               progress: Callable[[str, int, int], None] | None = None,
+               ple_table: str | None = None) -> LoadedModel:
+    """Read a checkpoint folder: dense weights to `device`, expert rows to host memory.
+
+    A PLE table over PLE_ON_DEVICE_BYTES stays in host memory in its stored dtype
+    (docs/model.md 7.4). ple_table "host": one host tensor, pinned on CUDA, gathered by the
+    Triton kernel inside the decode graph (the CUDA default); "mmap": read in place from its
+    files (the CPU default: only the pages of the rows asked use RAM)."""
     ckpt = Checkpoint(folder)
     a = ckpt.args
-    dense = ckpt.dense(dtype, device, table_in_place_bytes=PLE_ON_DEVICE_BYTES,
-                       progress=(lambda i, n: progress("dense", i, n)) if progress else None)
+    on_cuda = torch.device(device).type == "cuda"
+    ple_table = ple_table or ("host" if on_cuda else "mmap")
+    if ple_table not in ("host", "mmap"):
+        raise ValueError(f"ple_table {ple_table!r}: use host or mmap")
+    stage = (lambda s: lambda i, n: progress(s, i, n)) if progress else (lambda s: None)
+    dense = ckpt.dense(dtype, device, progress=stage("dense"),
+                       table_in_place_bytes=PLE_ON_DEVICE_BYTES, table_host=ple_table == "host",
+                       table_progress=stage("ple table"))
     layout = ckpt.row_layout()
     rows = fill_host_rows(ckpt, layout, (lambda i, n: progress("experts", i, n)) if progress else None)
     for name, t in dense.items():  # a small n-gram table goes to the device (graphs need it)
         if "ngram_embedding" in name and isinstance(t, Tensor):
             dense[name] = t.to(device)
+        elif isinstance(t, HostTable) and on_cuda:
+            pin(t.data)  # the gather kernel reads it over UVA
     return LoadedModel(a, Weights(dense, a.num_hidden_layers), layout, rows,
                        torch.device(device), dtype)
 
@@ -128,8 +143,11 @@ def _decode(m: LoadedModel, state: DecodeState, experts: ExpertBackend, tokens: 
 
 
 def graph_safe(m: LoadedModel) -> bool:
-    """Whether the decode step can be captured: every weight it reads is a device tensor."""
-    return all(isinstance(t, Tensor) for t in m.weights.tensors.values())
+    """Whether the decode step can be captured: every weight it reads is a device tensor, or a
+    host n-gram table the gather kernel reads without a host sync (pinned, CUDA + Triton)."""
+    return all(isinstance(t, Tensor)
+               or (isinstance(t, HostTable) and t.sync_free(m.device, m.dtype))
+               for t in m.weights.tensors.values())
 
 
 class Decoder:
@@ -190,7 +208,7 @@ class Step:
     A finished sequence rides along in later steps (the batch decodes together): `active[b]` is
     False there and its token is meaningless."""
 
-    tokens: tuple[int, ...]  # [B] the greedy token of each sequence
+    tokens: tuple[int, ...]  # [B] the chosen (greedy by default) token of each sequence
     logits: Tensor  # [B, V] the logits they were chosen from (a copy under graph replay)
     stops: tuple[Stop | None, ...]  # why a sequence ends at this token, if it does
     active: tuple[bool, ...]  # the sequence produced this token (not finished before)
@@ -214,11 +232,14 @@ def stop_reason(token: int, n: int, limit: int, length: int, max_len: int,
 
 
 def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int],
-           limits: Sequence[int], stops: frozenset[int] = frozenset()) -> Iterator[Step]:
+           limits: Sequence[int], stops: frozenset[int] = frozenset(),
+           choose: Callable[[Tensor], Tensor] | None = None) -> Iterator[Step]:
     """Greedy decode: prompt b is prefilled into row b of `dec` at position starts[b] (rows
     already hold starts[b] tokens), then every row decodes together until each has stopped
     (eos, its limit, or a full state). Yields one Step per position.
 
+    `choose` replaces the greedy argmax: logits [B, V] -> tokens [B] on the device (sampling,
+    ftchat.sampling.Sampler); it is called once per position, in order.
     Closing the iterator at a yield leaves the state whole: the yielded tokens were not fed.
     """
     m, B, max_len = dec.m, len(prompts), dec.state.max_len
@@ -232,8 +253,11 @@ def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int]
     n, done, decode_tokens = [0] * B, [False] * B, 0
     t0 = _now(m.device, sync=False)
     while True:
-        # SYNC: the greedy tokens go to the host
-        tokens = logits.argmax(-1).tolist()  # [B]
+        # SYNC: the chosen tokens go to the host
+        if choose is None:
+            tokens = logits.argmax(-1).tolist()  # [B] greedy
+        else:
+            tokens = choose(logits).tolist()  # [B]
         active = [not d for d in done]
         reasons = [None] * B
         for b, t in enumerate(tokens):

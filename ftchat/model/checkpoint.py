@@ -16,9 +16,10 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ftchat.errors import ModelError
+from ftchat.kernels import ple_gather
 from ftchat.model import nvfp4
 from ftchat.model.config import ModelArgs, read_config_json
-from ftchat.model.ngram_table import NGramTable
+from ftchat.model.ngram_table import HostTable, NGramTable, load_host_table
 from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs, expert_name, expert_specs
 
@@ -144,9 +145,12 @@ class Checkpoint:
 
     def dense(self, dtype: torch.dtype, device: str | torch.device = "cpu",
               progress: Callable[[int, int], None] | None = None,
-              table_in_place_bytes: int = 2 << 30) -> dict[str, Tensor]:
+              table_in_place_bytes: int = 2 << 30, table_host: bool = False,
+              table_progress: Callable[[int, int], None] | None = None) -> dict[str, Tensor]:
         """Every non-expert weight, cast to dtype (int64 buffers kept). A PLE table larger than
-        table_in_place_bytes stays in its files (an NGramTable); a smaller one is concatenated."""
+        table_in_place_bytes (at dtype) stays in host memory in its stored dtype: in its files
+        (an NGramTable), or with table_host read whole into one host tensor (a HostTable,
+        table_progress(i, n) per shard); a smaller one is dequantized and concatenated."""
         a = self.args
         specs = dense_specs(a)
         out: dict[str, Tensor] = {}
@@ -166,7 +170,9 @@ class Checkpoint:
             if progress:
                 progress(n + 1, len(specs))
         for name, parts in shards.items():
-            out[name] = self._ngram_table(name, parts, dtype, table_in_place_bytes)
+            out[name] = self._ngram_table(name, parts, dtype, table_in_place_bytes, table_host,
+                                          table_progress)
+            self._check_hash_rows(name, out, out[name].shape[0])
         out["lm_head.weight"] = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size)).to(
             device, dtype)
         return out
@@ -218,23 +224,36 @@ class Checkpoint:
             raise ModelError(f"{path}: tensor {full} has shape {list(got)}, config.json implies "
                              f"{list(shape)}: config.json does not describe these weights")
 
-    def _ngram_table(self, name: str, parts: list[str], dtype: torch.dtype,
-                     in_place_bytes: int) -> Tensor | NGramTable:
-        """The n-gram table (host memory, docs/model.md section 7.4): fp8 times its scalar scale, or float."""
+    def _ngram_table(self, name: str, parts: list[str], dtype: torch.dtype, in_place_bytes: int,
+                     host: bool = False, progress: Callable[[int, int], None] | None = None
+                     ) -> Tensor | NGramTable | HostTable:
+        """The n-gram table (docs/model.md section 7.4): fp8 times its scalar scale, or float.
+        Over in_place_bytes at dtype: kept in its stored dtype (HostTable with host, else
+        NGramTable); otherwise dequantized to dtype and concatenated (CPU)."""
         scale_name = name[: -len(".weight")] + ".weight_scale"
+        # an fp32 value (the multiply in ple_gather.dequantize is fp32)
         scale = float(self.get(scale_name).float()) if self.has(scale_name) else None
         rows = sum(self._open(self.files[self._full(p)]).get_slice(self._full(p)).get_shape()[0]
                    for p in parts)
         width = self._open(self.files[self._full(parts[0])]).get_slice(
             self._full(parts[0])).get_shape()[1]
         if rows * width * torch.empty((), dtype=dtype).element_size() > in_place_bytes:
-            return NGramTable([(self.files[self._full(p)], self._full(p)) for p in parts], scale,
-                              dtype)
-        loaded = []
-        for p in parts:
-            t = self.get(p)
-            loaded.append((t.float() * scale if scale is not None else t).to(dtype))
-        return torch.cat(loaded)
+            files = [(self.files[self._full(p)], self._full(p)) for p in parts]
+            if host:
+                return load_host_table(files, scale, dtype, progress)
+            return NGramTable(files, scale, dtype)
+        return torch.cat([ple_gather.dequantize(self.get(p), scale, dtype) for p in parts])
+
+    def _check_hash_rows(self, name: str, dense: dict[str, Tensor], num_rows: int) -> None:
+        """Every row the hash can address (offset_j + [0, P_j), section 7.1) lies in the table:
+        the gather kernel reads host memory at those rows unchecked."""
+        base = name[: -len("ngram_embedding.weight")]
+        primes = dense[base + "ngram_heads_vocab_sizes"]
+        offsets = dense[base + "ngram_heads_offsets"]
+        lo, hi = int(offsets.min()), int((offsets + primes).max())
+        if int(primes.min()) < 1 or lo < 0 or hi > num_rows:
+            raise ModelError(f"{self.folder}: {base}ngram_heads_vocab_sizes/offsets address rows "
+                             f"[{lo}, {hi}) outside the n-gram table's {num_rows} rows")
 
     # ===== routed experts =====
     def expert_rows(self, layer: int, layout: RowLayout) -> Tensor:

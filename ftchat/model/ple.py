@@ -14,6 +14,7 @@ from torch import Tensor
 
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import rms_norm
+from ftchat.model.ngram_table import HostTable, NGramTable
 
 MASK64 = (1 << 64) - 1
 GAMMA = 0x9E3779B97F4A7C15
@@ -86,7 +87,7 @@ def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Ten
     rows = ngram_rows(ids, state["ctx"], w["ple_embedding.layer_multipliers"],
                       w["ple_embedding.ngram_heads_vocab_sizes"], w["ple_embedding.ngram_heads_offsets"],
                       a.eos_token_id, a.heads_per_ngram)
-    E = emb[rows.to(emb.device)].to(R.device, R.dtype).flatten(-2)  # [B, T, nh*dh]
+    E = embedding(emb, rows, R)  # [B, T, nh*dh]
     key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps, D)
     value = F.linear(E, w["value_proj.weight"])  # [B, T, D]
     query = rms_norm(R, w["norm_query.weight"], a.rms_norm_eps, D)
@@ -95,6 +96,15 @@ def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Ten
     G = (torch.sigmoid(u) * value[:, :, None]).flatten(-2)  # [B, T, hc*D]
     N = rms_norm(G, w["norm_conv.weight"], a.rms_norm_eps, D)
     return G + dilated_conv(N, state["conv"], w["conv1d.weight"].squeeze(1), a.ngram_size)
+
+
+def embedding(emb: Tensor | NGramTable | HostTable, rows: Tensor, R: Tensor) -> Tensor:
+    """E [B, T, nh*dh] in R's dtype on R's device: the table's rows [B, T, nh] concatenated
+    (section 7.1), dequantized (7.4). A pinned host table on CUDA is gathered by the Triton
+    kernel (no host sync: graph-capturable); files read in place (NGramTable) cost one."""
+    if isinstance(emb, HostTable):
+        return emb.gather(rows, R.dtype)
+    return emb[rows.to(emb.device)].to(R.device, R.dtype).flatten(-2)
 
 
 def dilated_conv(N: Tensor, conv_state: Tensor, w: Tensor, dilation: int) -> Tensor:

@@ -35,6 +35,9 @@ PREFIX = "model.language_model."
 FORMATS = ("bf16", nvfp4.MODELOPT, nvfp4.COMPRESSED_TENSORS)
 STORED_DTYPE = torch.bfloat16  # every float tensor of a synthetic checkpoint (experts too, in bf16)
 LM_HEAD = "lm_head.weight"  # the one name outside the text prefix
+PLE_TABLES = ("bf16", "fp8")  # the n-gram table as stored: bf16, or fp8 e4m3 with a scalar scale
+PLE_FP8_SCALE = 6 / 448  # as fp32: |x| <= 6 sigma of the N(0, 1) table fits e4m3 (max 448)
+SHARD = ".ngram_embedding.shard_"
 
 
 def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None = None) -> dict:
@@ -162,8 +165,8 @@ def _keep(name: str, t: Tensor) -> Tensor:
 
 @dataclass(frozen=True)
 class DenseTensor:
-    """One non-expert tensor as stored: bf16, or int64 (PLE buffers). name is relative to
-    PREFIX, except LM_HEAD."""
+    """One non-expert tensor as stored: bf16, or int64 (PLE buffers); with ple_table fp8 the
+    n-gram shards are fp8 and their scale fp32. name is relative to PREFIX, except LM_HEAD."""
 
     name: str
     tensor: Tensor
@@ -178,12 +181,14 @@ class ExpertTensors:
     parts: dict[str, Tensor | tuple[Tensor, Tensor, Tensor]]
 
 
-def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = None
-             ) -> Iterator[DenseTensor | ExpertTensors]:
+def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = None,
+             ple_table: str = "bf16") -> Iterator[DenseTensor | ExpertTensors]:
     """Every tensor of the synthetic model, in checkpoint order: the dense tensors of layer i,
     then its experts, ..., then lm_head. The order is part of the output (one generator).
 
     fix, if given, may replace each float tensor before it is stored (tests use it).
+    ple_table "fp8": the n-gram shards (the same draws) stored as fp8 e4m3 codes of
+    value / PLE_FP8_SCALE, the scale after the last shard (docs/model.md 7.4).
     """
     fix = fix or _keep
     ple = {i: a.ple_layers.index(i) for i in a.ple_layers}
@@ -192,6 +197,9 @@ def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = Non
             t = _ple_buffer(name, a, ple)
         else:
             t = fix(name, _init(spec.shape, spec.init, gen)).to(STORED_DTYPE)
+        if ple_table == "fp8" and SHARD in name:
+            yield from _fp8_shard(name, t, a)
+            continue
         yield DenseTensor(name, t)
         if name.startswith("layers.") and name.endswith("mlp.shared_expert_gate.weight"):
             layer = int(name.split(".")[1])
@@ -199,6 +207,17 @@ def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = Non
                 yield ExpertTensors(layer, e, _expert(layer, e, a, fmt, gen, fix))
     head = _init((a.vocab_size, a.hidden_size), "linear", gen)
     yield DenseTensor(LM_HEAD, fix(LM_HEAD, head).to(STORED_DTYPE))
+
+
+def _fp8_shard(name: str, t: Tensor, a: ModelArgs) -> Iterator[DenseTensor]:
+    """A bf16 table shard as saturated fp8 e4m3 codes of t / scale; after the last shard, the
+    scale (fp32 scalar `...ngram_embedding.weight_scale`)."""
+    scale = torch.tensor(PLE_FP8_SCALE, dtype=torch.float32)
+    codes = (t.float() / scale.to(t.device)).clamp(-448, 448).to(torch.float8_e4m3fn)
+    yield DenseTensor(name, codes)
+    table, j = name.split(SHARD)
+    if j == f"{a.split_ngram_parts - 1}.weight":
+        yield DenseTensor(table + ".ngram_embedding.weight_scale", scale)
 
 
 def _ple_buffer(name: str, a: ModelArgs, ple: dict[int, int]) -> Tensor:
@@ -269,13 +288,17 @@ class _ShardWriter:
 def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None = None,
                      fmt: str = "bf16", seed: int = 0, max_shard_bytes: int | None = None,
                      progress: Callable[[int, int], None] | None = None,
-                     weights_fn: Callable[[str, Tensor], Tensor] | None = None) -> Path:
+                     weights_fn: Callable[[str, Tensor], Tensor] | None = None,
+                     ple_table: str = "bf16") -> Path:
     """Write a complete synthetic checkpoint to `out` (a new folder; replaced only on success).
 
     weights_fn, if given, may replace each float tensor before it is written (tests use it).
+    ple_table: the n-gram table as stored, bf16 (the default) or fp8 with a scale (`generate`).
     """
     if fmt not in FORMATS:
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    if ple_table not in PLE_TABLES:
+        raise FtchatError(f"unknown PLE table {ple_table!r}: use one of {', '.join(PLE_TABLES)}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FtchatError(f"{out}: exists and is not empty")
@@ -283,7 +306,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
     tmp = Path(tempfile.mkdtemp(prefix=".synth-", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        _write(tmp, preset, layers, fmt, seed, max_shard_bytes, progress, weights_fn)
+        _write(tmp, preset, layers, fmt, seed, max_shard_bytes, progress, weights_fn, ple_table)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -293,7 +316,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
 
 
 def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
-           max_shard_bytes: int | None, progress, weights_fn) -> None:
+           max_shard_bytes: int | None, progress, weights_fn, ple_table: str = "bf16") -> None:
     vocab, special_base = preset_vocab(preset)
     specials = write_synthetic_tokenizer(folder, vocab, special_base)
     # special_ids is what the in-memory model uses for eos: it must place them the same way
@@ -306,7 +329,7 @@ def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
     limit = max_shard_bytes or (1 << 20 if preset == "tiny" else 4 << 30)
     w = _ShardWriter(folder, limit)
     gen = torch.Generator().manual_seed(seed)
-    for item in generate(a, fmt, gen, weights_fn):
+    for item in generate(a, fmt, gen, weights_fn, ple_table):
         if isinstance(item, DenseTensor):
             w.add(item.name if item.name == LM_HEAD else PREFIX + item.name, item.tensor)
             continue

@@ -37,6 +37,6 @@ def pin(rows: Tensor) -> None:
     rc = cudart.cudaHostRegister(rows.data_ptr(), nbytes, 0)
     if int(rc) != 0:
         raise FtchatError(
-            f"cudaHostRegister refused to pin {nbytes / 2**30:.1f} GiB of expert rows (error "
+            f"cudaHostRegister refused to pin {nbytes / 2**30:.1f} GiB of host memory (error "
             f"{int(rc)}); raise the locked-memory limit (ulimit -l) or free host memory")
 
