@@ -12,18 +12,20 @@ gpu() {  # name, seconds, pytest args...
   echo "gpu $name rc=$?: $(tail -1 "$O/gpu_$name.log")"
 }
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  gpu fused 240 tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_hyper_router_gpu.py \
+  gpu fused 150 tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_hyper_router_gpu.py \
     $(ls tests/gpu/test_qsa_decode_gpu.py tests/gpu/test_moe_fused_gpu.py 2>/dev/null)
-  gpu offload 200 tests/gpu/test_offload_gpu.py
-  gpu kernels 150 tests/gpu/test_kernels_gpu.py tests/gpu/test_cache_gpu.py \
+  gpu offload 150 tests/gpu/test_offload_gpu.py
+  gpu kernels 100 tests/gpu/test_kernels_gpu.py tests/gpu/test_cache_gpu.py \
     tests/gpu/test_cache_kernels_graph_gpu.py tests/gpu/test_profile_gpu.py \
-    tests/gpu/test_synth_memory_gpu.py
-  gpu cache_kernels 120 tests/gpu/test_cache_kernels_gpu.py
+    tests/gpu/test_synth_memory_gpu.py tests/gpu/test_ple_gather_gpu.py
+fi
+if [ "$what" = cache ]; then
+  gpu cache_kernels 150 tests/gpu/test_cache_kernels_gpu.py
 fi
 if [ "$what" = micro ] || [ "$what" = all ]; then
   for b in bench_gdn_decode bench_hyper_router bench_qsa_decode bench_routed_nvfp4; do
     [ -f benchmarks/$b.py ] || continue
-    timeout 120 python3 benchmarks/$b.py --out "$O/$b.json" > "$O/$b.log" 2>&1
+    timeout 60 python3 benchmarks/$b.py --out "$O/$b.json" > "$O/$b.log" 2>&1
     echo "$b rc=$?: $(tail -1 "$O/$b.log" | cut -c1-200)"
   done
 fi
