@@ -17,93 +17,233 @@ from ftchat.settings import Settings, resolve_settings
 
 _D = Settings()  # the defaults the help texts quote
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+GEN, MODEL, OFFLOAD, DEBUG = "Generation", "Model and memory", "Offload tuning", "Debug"
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose --help switch shows no type label (as every switch here)."""
+
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+class _Group(typer.core.TyperGroup):
+    def get_help_option(self, ctx):
+        opt = super().get_help_option(ctx)
+        if opt is not None:
+            opt.metavar = ""
+        return opt
+
+
+app = typer.Typer(cls=_Group, add_completion=False, no_args_is_help=True,
+                  pretty_exceptions_enable=False, rich_markup_mode="rich",
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Local chat and greedy decode of Qwen3.8-Flash-Next, experts offloaded.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from ftchat import __version__
+
+        typer.echo(f"ftchat {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[bool, typer.Option(
+        "--version", "-V", is_eager=True, callback=_version, metavar="",
+        help="Print the version and exit")] = False,
+) -> None:
+    """Local chat and greedy decode of Qwen3.8-Flash-Next, experts offloaded."""
+
 
 # ===== engine flags (None: not given, so the environment or the default decides) =====
 Model = Annotated[str | None, typer.Argument(
+    metavar="MODEL", show_default=False,
     help="Checkpoint folder or Hugging Face repo id; none: the built-in demo model.")]
+# --- model and memory
+Context = Annotated[int | None, typer.Option(
+    "--context", "-c", metavar="N", rich_help_panel=MODEL,
+    help="KV capacity in tokens (default: the model's, at most 32768)")]
+Device = Annotated[str | None, typer.Option(
+    metavar="auto|cuda|cpu", rich_help_panel=MODEL, help="Where to run (default auto)")]
+Dtype = Annotated[str | None, typer.Option(
+    metavar="auto|float32|bfloat16", rich_help_panel=MODEL,
+    help="auto: bfloat16 on CUDA, float32 on CPU")]
+Threads = Annotated[int | None, typer.Option(
+    "--threads", "-t", metavar="N", rich_help_panel=MODEL,
+    help="CPU threads for torch (default: torch's, one per core)")]
+Slots = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=MODEL, help="Expert slots in VRAM (or --expert-vram)")]
+ExpertVram = Annotated[float | None, typer.Option(
+    "--expert-vram", metavar="GIB", rich_help_panel=MODEL,
+    help="VRAM for expert slots, GiB (or --slots)")]
+Graph = Annotated[bool | None, typer.Option(
+    "--graph/--eager", metavar="", rich_help_panel=MODEL,
+    help="CUDA graphs (default: on CUDA)")]
+# --- offload tuning
 Prefetch = Annotated[str | None, typer.Option(
-    help="off|measure|on (env FREETOKEN_MOE_PREFETCH; default off)")]
+    metavar="off|measure|on", rich_help_panel=OFFLOAD,
+    help="Expert prefetch (env FREETOKEN_MOE_PREFETCH; default off)")]
 Budget = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
     help="Prefetch budget before every layer (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
 BudgetGdn = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
     help=f"Budget before GDN layers (default {_D.budget_gdn})")]
 BudgetAttn = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
     help=f"Budget before attention layers (default {_D.budget_attn})")]
 Candidates = Annotated[int | None, typer.Option(
+    metavar="K", rich_help_panel=OFFLOAD,
     help=f"Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default {_D.candidates})")]
-Slots = Annotated[int | None, typer.Option(help="Expert slots in VRAM (or --expert-vram)")]
-ExpertVram = Annotated[float | None, typer.Option(
-    "--expert-vram", metavar="GIB", help="VRAM for expert slots, GiB (or --slots)")]
-Eviction = Annotated[str | None, typer.Option(help="rule|lru (default rule)")]
+Eviction = Annotated[str | None, typer.Option(
+    metavar="rule|lru", rich_help_panel=OFFLOAD, help="Slot eviction (default rule)")]
 Overlap = Annotated[bool | None, typer.Option(
-    "--overlap/--no-overlap", help="Shared expert overlaps the demand copy (default on)")]
-Graph = Annotated[bool | None, typer.Option(
-    "--graph/--eager", help="CUDA graphs (default: on CUDA)")]
-MaxNew = Annotated[int | None, typer.Option(
-    help=f"Tokens per reply at most (default {_D.max_new_tokens})")]
-Context = Annotated[int | None, typer.Option(
-    help="KV capacity in tokens (default: the model's, at most 32768)")]
-Device = Annotated[str | None, typer.Option(help="auto|cuda|cpu (default auto)")]
-Dtype = Annotated[str | None, typer.Option(
-    help="auto|float32|bfloat16 (auto: bfloat16 on CUDA, float32 on CPU)")]
-Verify = Annotated[str | None, typer.Option(
-    help="meta|bytes slot checks (env FREETOKEN_MOE_PREFETCH_VERIFY=meta|1)")]
-Audit = Annotated[int | None, typer.Option(
-    metavar="N", help="Byte-check the slot cache every N steps (env FREETOKEN_MOE_SLOT_AUDIT)")]
+    "--overlap/--no-overlap", metavar="", rich_help_panel=OFFLOAD,
+    help="Shared expert overlaps the demand copy (default on)")]
 CopyPrograms = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
     help="Copy-kernel programs, 0: cudaMemcpy (env FREETOKEN_MOE_SLIM_COPY; "
     f"default {_D.copy_programs})")]
+# --- debug
+Verify = Annotated[str | None, typer.Option(
+    metavar="meta|bytes", rich_help_panel=DEBUG,
+    help="Slot checks on every step (env FREETOKEN_MOE_PREFETCH_VERIFY=meta|1)")]
+AuditEvery = Annotated[int | None, typer.Option(
+    "--audit-every", metavar="N", rich_help_panel=DEBUG,
+    help="Byte-check the whole slot cache every N steps (env FREETOKEN_MOE_SLOT_AUDIT)")]
 RecordRouting = Annotated[str | None, typer.Option(
-    metavar="FILE", help="Write the routed expert ids of every step to FILE")]
+    metavar="FILE", rich_help_panel=DEBUG,
+    help="Write the routed expert ids of every step to FILE")]
+# --- generation
+MaxNew = Annotated[int | None, typer.Option(
+    "--max-new-tokens", "-n", metavar="N", rich_help_panel=GEN,
+    help=f"Tokens per reply at most (default {_D.max_new_tokens})")]
+
+RUN_HELP = """Chat (stdin a terminal), or reply to each piped prompt (one per line, or JSON lines).
+
+Chat commands: /help, /stats (figures of the last reply), /reset or /clear (forget the
+conversation), /exit, /quit or /bye (also Ctrl-D). End a line with \\ to continue it, or put a
+message between \"\"\" lines. Ctrl-C stops a reply and keeps the conversation; at the prompt it
+quits. Keys typed while a reply streams wait for the next prompt.
+
+Piped input: one prompt per line, blank lines skipped; a line starting with { is a JSON object:
+"prompt" (required), and optionally "system", "max_new_tokens", "stop" (a string or a list),
+"temperature", "top_k", "top_p", "repeat_penalty", "seed". Each prompt is answered as it arrives
+(up to --batch-size waiting prompts decode together), one reply per line with control characters
+escaped; --json writes one object per reply: index, text, tokens, stop (eos, length, context,
+stop_string or interrupted), prompt_tokens, timings, offload, vram_peak_bytes, and seed when
+sampled. A bad JSON line is an object with "error" under --json, else an error that stops the
+run.
+
+Decoding is greedy unless --temp is above 0."""
 
 
-@app.command()
+@app.command(cls=_Command, help=RUN_HELP)
 def run(
     model: Model = None,
+    prompt: Annotated[str | None, typer.Option(
+        "--prompt", "-p", metavar="TEXT", rich_help_panel=GEN,
+        help="One prompt, one reply, exit")] = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", metavar="FILE", rich_help_panel=GEN,
+        help="Read the one prompt from FILE (as --prompt)")] = None,
+    max_new_tokens: MaxNew = None,
+    system: Annotated[str | None, typer.Option(
+        metavar="TEXT", rich_help_panel=GEN, help="System message")] = None,
+    temp: Annotated[float | None, typer.Option(
+        "--temp", metavar="T", rich_help_panel=GEN,
+        help="Sampling temperature; 0 (default): greedy")] = None,
+    top_k: Annotated[int | None, typer.Option(
+        metavar="K", rich_help_panel=GEN, help="Sample from the K likeliest tokens (0: off)")
+    ] = None,
+    top_p: Annotated[float | None, typer.Option(
+        metavar="P", rich_help_panel=GEN,
+        help="Sample from the likeliest tokens holding mass P (1: off)")] = None,
+    repeat_penalty: Annotated[float | None, typer.Option(
+        metavar="X", rich_help_panel=GEN,
+        help="Penalize the last 64 tokens' ids by X (1: off; also when greedy)")] = None,
+    seed: Annotated[int | None, typer.Option(
+        "--seed", "-s", metavar="N", rich_help_panel=GEN,
+        help="Sampling seed, per reply (default: random)")] = None,
+    stop: Annotated[list[str] | None, typer.Option(
+        metavar="TEXT", rich_help_panel=GEN,
+        help="End a reply before TEXT (repeatable)")] = None,
+    json: Annotated[bool | None, typer.Option(
+        "--json", metavar="", rich_help_panel=GEN, help="One JSON object per reply")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        metavar="B", rich_help_panel=GEN,
+        help="Waiting piped prompts decoded together (default 1)")] = None,
+    quiet: Annotated[bool | None, typer.Option(
+        "--quiet", "-q", metavar="", rich_help_panel=GEN,
+        help="No banner, loading bar or timing lines")] = None,
+    panel: Annotated[bool | None, typer.Option(
+        "--panel/--no-panel", metavar="", rich_help_panel=GEN,
+        help="Live panel on stderr (default: when a terminal)")] = None,
+    context: Context = None,
+    device: Device = None,
+    dtype: Dtype = None,
+    threads: Threads = None,
+    slots: Slots = None,
+    expert_vram: ExpertVram = None,
+    graph: Graph = None,
     prefetch: Prefetch = None,
     budget: Budget = None,
     budget_gdn: BudgetGdn = None,
     budget_attn: BudgetAttn = None,
     candidates: Candidates = None,
-    slots: Slots = None,
-    expert_vram: ExpertVram = None,
     eviction: Eviction = None,
     overlap: Overlap = None,
-    graph: Graph = None,
-    max_new_tokens: MaxNew = None,
-    system: Annotated[str | None, typer.Option(help="System message")] = None,
-    prompt: Annotated[str | None, typer.Option(help="One prompt, one reply, exit")] = None,
-    batch_size: Annotated[int | None, typer.Option(
-        help="Piped prompts decoded together (default 1)")] = None,
-    panel: Annotated[bool | None, typer.Option(
-        "--panel/--no-panel", help="Live panel on stderr (default: when a terminal)")] = None,
-    json: Annotated[bool | None, typer.Option(
-        "--json", help="Piped mode: one JSON object per reply")] = None,
-    context: Context = None,
-    device: Device = None,
-    dtype: Dtype = None,
-    verify: Verify = None,
-    audit: Audit = None,
     copy_programs: CopyPrograms = None,
+    verify: Verify = None,
+    audit_every: AuditEvery = None,
+    audit: Annotated[int | None, typer.Option(hidden=True)] = None,  # the old name
     record_routing: RecordRouting = None,
 ) -> None:
-    """Chat (stdin a terminal), or reply to each piped prompt (one per line, or JSON lines)."""
-    flags = {k: v for k, v in locals().items() if k != "model"}
+    flags = {k: v for k, v in locals().items() if k not in ("model", "file")}
+    if file is not None:
+        if prompt is not None:
+            raise FtchatError("give --prompt or --file, not both")
+        flags["prompt"] = _read_prompt_file(file)
     settings = resolve_settings(flags, os.environ)
     from ftchat.ui.run import run as run_ui  # imports torch: after the flags are known good
 
     raise typer.Exit(run_ui(model, settings, os.environ, sys.stdin, sys.stdout, sys.stderr))
 
 
-@app.command()
+def _read_prompt_file(path: Path) -> str:
+    where = f"--file {path}"
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise FtchatError(f"{where}: no such file") from None
+    except IsADirectoryError:
+        raise FtchatError(f"{where}: is a folder, not a file") from None
+    except OSError as e:
+        raise FtchatError(f"{where}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise FtchatError(f"{where}: not UTF-8 text ({e})") from None
+    return text.removesuffix("\n")
+
+
+@app.command(cls=_Command)
 def synth(
-    out: Annotated[Path, typer.Argument(help="New folder to write")],
-    preset: Annotated[str, typer.Option(help="tiny|flash-next")] = "tiny",
-    layers: Annotated[int | None, typer.Option(help="Decoder layers (preset's)")] = None,
-    format: Annotated[str, typer.Option(help="bf16|nvfp4-modelopt|nvfp4-ct")] = "bf16",
-    seed: Annotated[int, typer.Option(help="Random seed of the weights")] = 0,
+    out: Annotated[Path, typer.Argument(metavar="OUT", help="New folder to write")],
+    preset: Annotated[str, typer.Option(metavar="tiny|flash-next", help="Model geometry")
+                      ] = "tiny",
+    layers: Annotated[int | None, typer.Option(metavar="N", help="Decoder layers (preset's)")
+                      ] = None,
+    format: Annotated[str, typer.Option(metavar="bf16|nvfp4-modelopt|nvfp4-ct",
+                                        help="Expert format")] = "bf16",
+    seed: Annotated[int, typer.Option("--seed", "-s", metavar="N",
+                                      help="Random seed of the weights")] = 0,
 ) -> None:
     """Write a synthetic checkpoint (random weights) in the real model's HF layout."""
     from ftchat.model.synth import write_checkpoint
@@ -163,11 +303,12 @@ def _remove_empty(folders: list[Path]) -> None:
             pass
 
 
-@app.command()
+@app.command(cls=_Command)
 def info(
     model: Model = None,
     vram: Annotated[list[float] | None, typer.Option(
-        metavar="GIB", help="VRAM budget(s) for the slot count (16 24 32 80)")] = None,
+        metavar="GIB", help="VRAM budget for the slot count (repeatable; default 16, 24, 32 "
+        "and 80)")] = None,
 ) -> None:
     """Geometry, bytes and the expert slots that fit in VRAM, without loading the weights."""
     from ftchat.resolve import resolve_model
@@ -184,18 +325,22 @@ def _engine_flags(local: dict, skip: tuple[str, ...]) -> dict:
     return {k: v for k, v in local.items() if k not in skip}
 
 
-@app.command("verify")
+@app.command("verify", cls=_Command)
 def verify_cmd(
     model: Model = None,
-    mode: Annotated[str, typer.Option(help="meta|bytes")] = "meta",
-    prompts: Annotated[int, typer.Option(help="Cold prompts (random nonce prefix)")] = 8,
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt")] = 64,
-    audit_every: Annotated[int, typer.Option(help="Slot audit interval (steps)")] = 64,
-    json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
+    mode: Annotated[str, typer.Option(metavar="meta|bytes", help="Slot checks")] = "meta",
+    prompts: Annotated[int, typer.Option(metavar="N", help="Cold prompts (random nonce prefix)")
+                       ] = 8,
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", metavar="N", help="Greedy tokens per prompt")] = 64,
+    audit_every: Annotated[int, typer.Option(
+        "--audit-every", metavar="N", help="Byte-check the whole slot cache every N steps")] = 64,
+    json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
     budget: Budget = None, budget_gdn: BudgetGdn = None, budget_attn: BudgetAttn = None,
     candidates: Candidates = None, slots: Slots = None, expert_vram: ExpertVram = None,
     eviction: Eviction = None, overlap: Overlap = None, context: Context = None,
     device: Device = None, dtype: Dtype = None, copy_programs: CopyPrograms = None,
+    threads: Threads = None,
 ) -> None:
     """Prefetch on vs off, token by token, over N cold prompts; exits 1 on any difference.
 
@@ -203,62 +348,86 @@ def verify_cmd(
     flags = _engine_flags(locals(), ("model", "mode", "prompts", "max_new_tokens", "audit_every",
                                      "json"))
     from ftchat.ui.debug import verify
+    from ftchat.ui.run import apply_threads
     settings = resolve_settings(flags, os.environ)
+    apply_threads(settings)
     raise typer.Exit(verify(model, settings, os.environ, mode, prompts, max_new_tokens,
                             audit_every, json))
 
 
-@app.command("audit")
+@app.command("audit", cls=_Command)
 def audit_cmd(
     model: Model = None,
     prompt: Annotated[list[str] | None, typer.Option(
+        "--prompt", "-p", metavar="TEXT",
         help="A prompt (repeatable); default: one per line on stdin")] = None,
-    every: Annotated[int, typer.Option(help="Byte-check the whole cache every N steps")] = 64,
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt")] = 128,
-    json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
+    audit_every: Annotated[int | None, typer.Option(
+        "--audit-every", metavar="N", help="Byte-check the whole slot cache every N steps "
+        "(default 64)")] = None,
+    every: Annotated[int | None, typer.Option(hidden=True)] = None,  # the old name
+    max_new_tokens: Annotated[int, typer.Option(
+        "--max-new-tokens", "-n", metavar="N", help="Greedy tokens per prompt")] = 128,
+    json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
     prefetch: Prefetch = None, budget: Budget = None, budget_gdn: BudgetGdn = None,
     budget_attn: BudgetAttn = None, candidates: Candidates = None, slots: Slots = None,
     expert_vram: ExpertVram = None, eviction: Eviction = None, overlap: Overlap = None,
     context: Context = None, device: Device = None, dtype: Dtype = None,
+    threads: Threads = None,
 ) -> None:
     """A decode run with the slot audit on; exits 1 if any held slot's bytes are wrong."""
-    flags = _engine_flags(locals(), ("model", "prompt", "every", "max_new_tokens", "json"))
+    flags = _engine_flags(locals(), ("model", "prompt", "audit_every", "every", "max_new_tokens",
+                                     "json"))
     from ftchat.ui.debug import audit
+    from ftchat.ui.run import apply_threads
     settings = resolve_settings(flags, os.environ)
+    if every is not None and audit_every is not None and every != audit_every:
+        raise FtchatError("--audit-every and its old name --every give different values: "
+                          "give one")
+    n = audit_every if audit_every is not None else every if every is not None else 64
+    if n < 1:
+        raise FtchatError(f"--audit-every {n}: expected a positive integer")
+    apply_threads(settings)
     texts = prompt or ([] if sys.stdin.isatty() else
                        [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()])
-    raise typer.Exit(audit(model, settings, os.environ, every, texts, max_new_tokens, json))
+    raise typer.Exit(audit(model, settings, os.environ, n, texts, max_new_tokens, json))
 
 
-@app.command("bench")
+@app.command("bench", cls=_Command)
 def bench_cmd(
     model: Model = None,
     arms: Annotated[str, typer.Option(
+        metavar="ARMS",
         help="Arms separated by ';': resident, off, measure, on[:budget=4,eviction=lru,...]; "
              "fused=0 in an arm runs the torch decode path")]
     = "off;on;on:budget=4",
-    context: Annotated[str, typer.Option(help="Context lengths, e.g. 4k,32k")] = "4k",
-    steps: Annotated[int, typer.Option(help="Tokens per arm per round")] = 32,
-    rounds: Annotated[int, typer.Option(help="Interleaved rounds")] = 3,
+    context: Annotated[str, typer.Option(
+        "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k")] = "4k",
+    steps: Annotated[int, typer.Option(metavar="N", help="Tokens per arm per round")] = 32,
+    rounds: Annotated[int, typer.Option(metavar="N", help="Interleaved rounds")] = 3,
     synthetic: Annotated[str | None, typer.Option(
-        help="Build a random-weight model in memory instead of MODEL: tiny|flash-next")] = None,
-    layers: Annotated[int | None, typer.Option(help="Decoder layers of --synthetic")] = None,
+        metavar="tiny|flash-next",
+        help="Build a random-weight model in memory instead of MODEL")] = None,
+    layers: Annotated[int | None, typer.Option(metavar="N", help="Decoder layers of --synthetic")
+                      ] = None,
     format: Annotated[str, typer.Option(
-        help="Expert format of --synthetic: bf16|nvfp4-modelopt|nvfp4-ct")] = "nvfp4-modelopt",
-    json: Annotated[bool, typer.Option("--json", help="One JSON object")] = False,
+        metavar="bf16|nvfp4-modelopt|nvfp4-ct", help="Expert format of --synthetic")
+    ] = "nvfp4-modelopt",
+    json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
     slots: Slots = None, expert_vram: ExpertVram = None, eviction: Eviction = None,
     graph: Graph = None, device: Device = None, dtype: Dtype = None,
-    copy_programs: CopyPrograms = None,
+    copy_programs: CopyPrograms = None, threads: Threads = None,
 ) -> None:
     """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""
     flags = _engine_flags(locals(), ("model", "arms", "context", "steps", "rounds", "json",
                                      "synthetic", "layers", "format"))
     from ftchat.ui.debug import Synthetic, bench
+    from ftchat.ui.run import apply_threads
     settings = resolve_settings(flags, os.environ)
     if synthetic is not None and model is not None:
         raise FtchatError("give MODEL or --synthetic, not both")
     if synthetic is None and layers is not None:
         raise FtchatError("--layers needs --synthetic")
+    apply_threads(settings)
     synth = None if synthetic is None else Synthetic(synthetic, layers, format)
     raise typer.Exit(bench(model, settings, os.environ, arms, context, steps, rounds, json,
                            synthetic=synth))

@@ -20,7 +20,8 @@ from ftchat.debug import hooks_for
 from ftchat.errors import FtchatError
 from ftchat.model.config import check_context
 from ftchat.model.expert_backend import ExpertBackend
-from ftchat.model.tokenizer import IM_END, Tokenizer
+from ftchat.model.tokenizer import IM_END, StreamDecoder, Tokenizer
+from ftchat.sampling import Sampler, Sampling
 from ftchat.settings import Settings
 
 DEFAULT_CONTEXT = 32768  # KV capacity when --context is not given (and the model allows it)
@@ -70,11 +71,63 @@ class StepRecord:
     seq: int
     token: int
     n: int  # tokens generated for this sequence so far, this one included
-    stop: str | None  # None, or why the sequence ends here: eos | length | context
+    stop: str | None  # None, or why the sequence ends here: eos | length | context | stop_string
     prompt_tokens: int
     prefill_s: float  # this sequence's prefill
     decode_s: float  # since this sequence's first token
     figures: Figures
+    seed: int | None = None  # the sampling seed of this sequence (None: greedy)
+
+
+class StopText:
+    """Stop strings over a reply's decoded text: `feed` takes the text pieces as they decode
+    and returns what is safe to show, holding back an end that may be the start of a stop
+    string; once the text contains one, `hit` is that string and the text ends just before it.
+    The rule on the whole text is `cut`: everything before the first stop string found."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = tuple(stops)
+        self.held = ""
+        self.hit: str | None = None
+
+    @staticmethod
+    def find(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+        """(index, stop string) of the earliest stop string in `text`, if any."""
+        found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+        return min(found, key=lambda f: (f[0], len(f[1]))) if found else None
+
+    @classmethod
+    def cut(cls, text: str, stops: Sequence[str]) -> str:
+        found = cls.find(text, stops)
+        return text if found is None else text[: found[0]]
+
+    def feed(self, piece: str) -> str:
+        if self.hit is not None or not self.stops:
+            return "" if self.hit is not None else piece
+        self.held += piece
+        found = self.find(self.held, self.stops)
+        if found is not None:
+            out, self.hit, self.held = self.held[: found[0]], found[1], ""
+            return out
+        keep = max((k for s in self.stops for k in range(1, len(s))
+                    if self.held.endswith(s[:k])), default=0)
+        out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.hit is not None else self.held), ""
+        return out
+
+
+class _StopWatch:
+    """Decodes one sequence's tokens to find where its text first holds a stop string."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]):
+        self.decoder, self.text = StreamDecoder(tokenizer), StopText(stops)
+
+    def hit(self, token: int) -> bool:
+        self.text.feed(self.decoder.feed(token))
+        return self.text.hit is not None
 
 
 class _StatsThrottle:
@@ -158,45 +211,92 @@ class Session:
     # ===== batch =====
     def generate_batch(self, prompts: Sequence[Sequence[int]],
                        max_new_tokens: int | Sequence[int] | None = None,
-                       stop_ids: frozenset[int] | None = None) -> Iterator[StepRecord]:
-        """Greedy replies to independent prompts, up to batch_size decoded together.
+                       stop_ids: frozenset[int] | None = None,
+                       stop_strings: Sequence[str] | Sequence[Sequence[str]] | None = None,
+                       sampling: Sampling | Sequence[Sampling] | None = None,
+                       ) -> Iterator[StepRecord]:
+        """Replies to independent prompts (greedy unless `sampling` says otherwise), up to
+        batch_size decoded together.
 
         Args:
             prompts: token ids per prompt (already chat-rendered).
             max_new_tokens: one limit, or one per prompt; None: the settings' limit.
             stop_ids: a sequence ends on any of these (default: the tokenizer's eos ids).
+            stop_strings: one list of stop strings, or one per prompt (None: the settings');
+                a sequence ends at the token whose text completes one (stop "stop_string").
+            sampling: one Sampling, or one per prompt (None: the settings'); each sampled
+                prompt draws from its own generator, seeded once (a random seed if none).
         Yields a record per token of every unfinished sequence; the last record of a sequence has
         `stop` set. Prompts go in chunks of batch_size, in order.
         """
+        n = len(prompts)
         limit = self.settings.max_new_tokens if max_new_tokens is None else max_new_tokens
-        limits = [limit] * len(prompts) if isinstance(limit, int) else list(limit)
-        if len(limits) != len(prompts) or min(limits, default=1) < 1:
+        limits = [limit] * n if isinstance(limit, int) else list(limit)
+        if len(limits) != n or min(limits, default=1) < 1:
             raise FtchatError("max_new_tokens: need one positive limit per prompt")
         for i, p in enumerate(prompts):
             self._check_prompt(len(p), f"prompt {i + 1}")
         stops = self.tokenizer.eos_ids if stop_ids is None else frozenset(stop_ids)
-        return self._generate(prompts, limits, stops)
+        strings = self.settings.stop if stop_strings is None else stop_strings
+        if not strings or isinstance(strings[0], str):
+            strings = [tuple(strings)] * n
+        params = self._sampling(sampling, n)
+        if len(strings) != n or len(params) != n:
+            raise FtchatError("stop_strings, sampling: need one per prompt")
+        return self._generate(prompts, limits, stops, [tuple(x) for x in strings], params)
 
-    def _generate(self, prompts, limits, stops) -> Iterator[StepRecord]:
+    def _sampling(self, sampling: Sampling | Sequence[Sampling] | None, n: int) -> list[Sampling]:
+        if sampling is None:
+            sampling = Sampling.from_settings(self.settings)
+        params = [sampling] * n if isinstance(sampling, Sampling) else list(sampling)
+        return [p.with_seed() for p in params]  # one seed per request, fixed now
+
+    def _generate(self, prompts, limits, stops, strings, params) -> Iterator[StepRecord]:
         B = self.settings.batch_size
         for first in range(0, len(prompts), B):
             seqs = range(first, min(first + B, len(prompts)))
             yield from self._chunk(seqs, [list(prompts[s]) for s in seqs],
-                                   [limits[s] for s in seqs], stops)
+                                   [limits[s] for s in seqs], stops,
+                                   [strings[s] for s in seqs], [params[s] for s in seqs])
+
+    def _decode(self, dec: engine.Decoder, prompts: list[list[int]], starts: list[int],
+                limits: list[int], stops: frozenset[int], params: list[Sampling]):
+        """engine.decode, with a Sampler when any row samples."""
+        if all(p.greedy for p in params):
+            return engine.decode(dec, prompts, starts, limits, stops)
+        chooser = Sampler(params, prompts, self.model.device)
+        return engine.decode(dec, prompts, starts, limits, stops, choose=chooser)
 
     def _chunk(self, seqs: range, prompts: list[list[int]], limits: list[int],
-               stops: frozenset[int]) -> Iterator[StepRecord]:
+               stops: frozenset[int], strings: list[tuple[str, ...]],
+               params: list[Sampling]) -> Iterator[StepRecord]:
         m, dec = self.model, self._decoder(len(prompts))
         stats = _StatsThrottle(self.experts)
-        for step in engine.decode(dec, prompts, [0] * len(prompts), limits, stops):
-            final = all(not a or r is not None for a, r in zip(step.active, step.stops))
-            fig = Figures(sum(map(len, prompts)), sum(step.prefill_s), step.decode_tokens,
-                          step.decode_s, sum(step.n), max(step.lengths), dec.state.max_len,
-                          *_vram(m.device), stats(force=final))
-            for b, tok in enumerate(step.tokens):
-                if step.active[b]:
-                    yield StepRecord(seqs[b], tok, step.n[b], step.stops[b], len(prompts[b]),
-                                     step.prefill_s[b], step.decode_s, fig)
+        watch = [_StopWatch(self.tokenizer, s) if s else None for s in strings]
+        ended = [False] * len(prompts)  # by a stop string (the engine does not know)
+        steps = self._decode(dec, prompts, [0] * len(prompts), limits, stops, params)
+        try:
+            for step in steps:
+                reasons = list(step.stops)
+                for b, tok in enumerate(step.tokens):
+                    if step.active[b] and not ended[b] and watch[b] is not None \
+                            and reasons[b] != "eos" and watch[b].hit(tok):
+                        reasons[b] = "stop_string"
+                live = [a and not e for a, e in zip(step.active, ended)]
+                final = all(not a or r is not None for a, r in zip(live, reasons))
+                fig = Figures(sum(map(len, prompts)), sum(step.prefill_s), step.decode_tokens,
+                              step.decode_s, sum(step.n), max(step.lengths), dec.state.max_len,
+                              *_vram(m.device), stats(force=final))
+                for b, tok in enumerate(step.tokens):
+                    if live[b]:
+                        ended[b] = reasons[b] is not None
+                        yield StepRecord(seqs[b], tok, step.n[b], reasons[b], len(prompts[b]),
+                                         step.prefill_s[b], step.decode_s, fig,
+                                         None if params[b].greedy else params[b].seed)
+                if final:
+                    break  # every row has ended (some by a stop string): no more steps
+        finally:
+            steps.close()
 
     # ===== chat =====
     @property
@@ -240,19 +340,26 @@ class Session:
 
     def _reply(self, dec: engine.Decoder, turn: list[int]) -> Iterator[StepRecord]:
         m, stats = self.model, _StatsThrottle(self.experts)
-        steps = engine.decode(dec, [turn], [self.length], [self.settings.max_new_tokens],
-                              self.tokenizer.eos_ids)
+        params = self._sampling(None, 1)
+        watch = _StopWatch(self.tokenizer, self.settings.stop) if self.settings.stop else None
+        steps = self._decode(dec, [turn], [self.length], [self.settings.max_new_tokens],
+                             self.tokenizer.eos_ids, params)
+        seed = None if params[0].greedy else params[0].seed
         tok = None  # the last token shown: the loop feeds it only if it runs on
         try:
             for step in steps:
                 # the turn (and every token shown before this one) is in the state now
                 self.length, self._pending = step.lengths[0], []
                 tok, stop = step.tokens[0], step.stops[0]
+                if watch is not None and stop != "eos" and watch.hit(tok):
+                    stop = "stop_string"
                 fig = Figures(len(turn), step.prefill_s[0], step.decode_tokens, step.decode_s,
                               step.n[0], self.length, self.max_len, *_vram(m.device),
                               stats(force=stop is not None))
                 yield StepRecord(0, tok, step.n[0], stop, len(turn), step.prefill_s[0],
-                                 step.decode_s, fig)
+                                 step.decode_s, fig, seed)
+                if stop is not None:
+                    break  # a stop string: the engine would go on
         except GeneratorExit:
             pass  # closed at a yield: the state is whole, `tok` was shown but not fed
         except BaseException:

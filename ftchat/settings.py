@@ -58,6 +58,15 @@ class Settings:
     json: bool = False
     system: str | None = None
     prompt: str | None = None
+    quiet: bool = False  # no banner, no loading bar, no timing lines
+    threads: int | None = None  # torch CPU threads; None: torch's default
+    stop: tuple[str, ...] = ()  # a reply ends where its text first contains one of these
+    # ===== sampling: opt-in, greedy (temperature 0, no penalty) is the default =====
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: every token
+    top_p: float = 1.0  # 1: every token
+    repeat_penalty: float = 1.0  # 1: none
+    seed: int | None = None  # None: a random seed per request
 
     def torch_device(self) -> torch.device:
         """The resolved device: auto is cuda when available, else cpu."""
@@ -132,6 +141,51 @@ def _positive_float(value: object, where: str) -> float:
     return x
 
 
+def _number(low: float, high: float = float("inf"), low_open: bool = False,
+            expected: str = "") -> Callable[[object, str], float]:
+    """A finite number in [low, high] ((low, high] with low_open)."""
+    def parse(value: object, where: str) -> float:
+        if isinstance(value, bool):
+            raise _fail(where, value, expected)
+        try:
+            x = float(value.strip()) if isinstance(value, str) else float(value)
+        except (TypeError, ValueError):
+            raise _fail(where, value, expected) from None
+        if not (x > low if low_open else x >= low) or not x <= high or x == float("inf"):
+            raise _fail(where, value, expected)
+        return x
+
+    return parse
+
+
+TEMPERATURE = _number(0.0, expected="a number >= 0 (0: greedy)")
+TOP_P = _number(0.0, 1.0, low_open=True, expected="a number above 0 and at most 1")
+REPEAT_PENALTY = _number(0.0, low_open=True, expected="a positive number (1: no penalty)")
+
+
+def _seed(value: object, where: str) -> int:
+    n = _int(0)(value, where)
+    if n >= 2**63:
+        raise _fail(where, value, "an integer from 0 to 2**63 - 1")
+    return n
+
+
+def _stop_strings(value: object, where: str) -> tuple[str, ...]:
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, str) for x in items):
+        raise _fail(where, value, "text")
+    if any(x == "" for x in items):
+        raise _fail(where, value, "a non-empty stop string")
+    return tuple(dict.fromkeys(items))
+
+
+def _prompt(value: object, where: str) -> str:
+    text = _text(value, where)
+    if not text.strip():
+        raise _fail(where, value, "a prompt with some text in it")
+    return text
+
+
 def _verify_env(value: object, where: str) -> str | None:
     # The seed's convention: meta checks maps, 1 also checks bytes; 0/off disable.
     v = str(value).strip().lower()
@@ -189,10 +243,22 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "panel": ("panel", "--panel", _bool, None, None),
     "json": ("json", "--json", _bool, None, None),
     "system": ("system", "--system", _text, None, None),
-    "prompt": ("prompt", "--prompt", _text, None, None),
+    "prompt": ("prompt", "--prompt", _prompt, None, None),
+    "quiet": ("quiet", "--quiet", _bool, None, None),
+    "threads": ("threads", "--threads", _int(1), None, None),
+    "stop": ("stop", "--stop", _stop_strings, None, None),
+    "temperature": ("temp", "--temp", TEMPERATURE, None, None),
+    "top_k": ("top_k", "--top-k", _int(0), None, None),
+    "top_p": ("top_p", "--top-p", TOP_P, None, None),
+    "repeat_penalty": ("repeat_penalty", "--repeat-penalty", REPEAT_PENALTY, None, None),
+    "seed": ("seed", "--seed", _seed, None, None),
 }
 
-KNOWN_FLAGS = {src[0] for src in _SOURCES.values()} | {"budget", "budget_gdn", "budget_attn"}
+# other names of a flag key: alias -> (key, the flag as typed); an error names the one typed
+_ALIASES = {"audit_every": ("audit", "--audit-every")}
+
+KNOWN_FLAGS = ({src[0] for src in _SOURCES.values()} | {"budget", "budget_gdn", "budget_attn"}
+               | set(_ALIASES))
 
 
 def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Settings:
@@ -207,15 +273,28 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
     unknown = sorted(set(flags) - KNOWN_FLAGS)
     if unknown:
         raise SettingsError(f"unknown setting(s): {', '.join(unknown)}")
+    flags = dict(flags)
+    typed: dict[str, str] = {}  # key -> the flag as typed, where an alias gave it
+    for alias, (key, flag) in _ALIASES.items():
+        if flags.get(alias) is not None:
+            if flags.get(key) is not None and flags[key] != flags[alias]:
+                raise SettingsError(f"{flag} and its old name give different values: give one")
+            flags[key], typed[key] = flags.pop(alias), flag
     values: dict[str, object] = {}
     for field, (key, flag, parse, var, parse_env) in _SOURCES.items():
         if flags.get(key) is not None:
-            values[field] = parse(flags[key], flag)
+            values[field] = parse(flags[key], typed.get(key, flag))
         elif var is not None and env.get(var, "").strip():
             values[field] = parse_env(env[var], var)
     values.update(_budgets(flags, env))
     if values.get("slots") is not None and values.get("expert_vram_gib") is not None:
         raise SettingsError("--slots and --expert-vram are exclusive: give one of them")
+    if not values.get("temperature"):
+        for field, flag, off in (("top_k", "--top-k", 0), ("top_p", "--top-p", 1.0),
+                                 ("seed", "--seed", None)):
+            if values.get(field, off) != off:
+                raise SettingsError(f"{flag} applies to sampling: give --temp above 0 too "
+                                    "(decoding is greedy by default)")
     return Settings(**values)
 
 

@@ -19,8 +19,9 @@ def shown(tok: Tokenizer, ids: list[int]) -> tuple[list[str], str]:
 
 
 def expected(text: str) -> str:
-    """The rule on the whole text: leading whitespace, </think>, then newlines are dropped."""
-    m = re.match(r"\s*</think>\n*", text)
+    """The rule on the whole text: every </think> before other text is dropped, with the
+    whitespace before it, then the newlines after the last one."""
+    m = re.match(r"(\s*</think>)+\n*", text)
     return text[m.end():] if m else text
 
 
@@ -37,6 +38,10 @@ def tok():
     ("</th is not the tag", "</th is not the tag"),
     ("hello </think> later", "hello </think> later"),
     ("  \n  ", "  \n  "),
+    ("</think>\n\n</think>\n\n```python\nx = 1\n```", "```python\nx = 1\n```"),  # twice
+    ("</think>\n</think>  x", "  x"),
+    ("</think>\n\n</th", "</th"),
+    ("</think>\nok</think>", "ok</think>"),  # after the reply starts, a tag is text
 ])
 def test_cases(tok, text, want):
     ids = tok.encode(text)
@@ -60,3 +65,12 @@ def test_random_texts_match_the_rule(tok):
         ids = tok.encode(text)
         outs, rest = shown(tok, ids)
         assert "".join(outs) + rest == expected(tok.decode(ids)), repr(text)
+
+
+def test_the_demo_model_closing_the_block_twice(tok):
+    # The shipped demo model's greedy reply to "hi" (issue 16: a stray second </think> was shown)
+    ids = [8191, 272, 8191, 272, 395, 63, 2729, 198, 475, 6258, 6701, 345, 258, 382, 1994, 8141,
+           16, 428, 395, 63]
+    assert tok.decode(ids).startswith("</think>\n\n</think>\n\n```python")
+    outs, rest = shown(tok, ids)
+    assert "".join(outs) + rest == "```python\ndef reverse(text):\n    return text[::-1]\n```"

@@ -1,7 +1,8 @@
 """Interactive chat: read a message, stream the reply, keep the conversation.
 
 Ctrl-C during a reply stops it after the current step (the conversation keeps what was shown);
-Ctrl-C at the prompt, a second Ctrl-C during a reply, Ctrl-D or /exit quit.
+Ctrl-C at the prompt, a second Ctrl-C during a reply, Ctrl-D or /exit quit. What is typed while
+a reply streams is kept for the next prompt (ui/tty.py).
 """
 
 from __future__ import annotations
@@ -10,18 +11,25 @@ import signal
 from collections.abc import Callable
 from types import FrameType
 
+from dataclasses import replace
+
 from ftchat.errors import FtchatError
 from ftchat.session import Session, StepRecord
-from ftchat.ui.panel import Screen, figure_rows, summary_line
+from ftchat.ui.batch import json_reply
+from ftchat.ui.panel import Screen, figure_rows, summary_parts
 from ftchat.ui.text import ReplyText, printable
+from ftchat.ui.tty import Terminal
 
 PROMPT, MORE = ">>> ", "... "
 FENCE = '"""'
+EXIT = ("/exit", "/quit", "/bye")
+RESET = ("/reset", "/clear")
 HELP = """\
-/exit   quit (also Ctrl-D)          /reset  forget the conversation
+/exit   quit (also /bye, Ctrl-D)    /reset  forget the conversation (also /clear)
 /stats  figures of the last reply   /help   this text
 Multi-line: end a line with \\ to continue it, or put the message between \"\"\" lines.
-Ctrl-C stops a reply and keeps the conversation; Ctrl-C at the prompt quits."""
+Ctrl-C stops a reply and keeps the conversation; Ctrl-C at the prompt quits.
+What you type while a reply streams waits for the next prompt."""
 
 
 def read_message(read: Callable[[str], str]) -> str:
@@ -66,39 +74,58 @@ class _CtrlC:
 
 
 def run_chat(session: Session, screen: Screen, system: str | None,
-             read: Callable[[str], str] = input) -> int:
-    """The chat loop; returns the exit code (0, or 130 when quit with Ctrl-C)."""
+             read: Callable[[str], str] | None = None, terminal: Terminal | None = None,
+             as_json: bool = False) -> int:
+    """The chat loop; returns the exit code (0, or 130 when quit with Ctrl-C).
+
+    Args:
+        read: reads one line after a prompt (default: the terminal's, with type-ahead).
+        terminal: the terminal; None: no type-ahead handling (plain input()).
+        as_json: each reply is one JSON object on stdout (as piped --json writes them).
+    """
     _enable_line_editing()
+    terminal = terminal or Terminal(None, screen.out)
+    read = read or terminal.read
     last: StepRecord | None = None
+    replies = 0
     while True:
         try:
             text = read_message(read)
-        except EOFError:
-            screen.note("")
-            return 0
-        except KeyboardInterrupt:
-            screen.note("")
-            return 130
+        except (EOFError, KeyboardInterrupt) as e:
+            _end_prompt_line(screen)  # the shell's prompt starts on a line of its own
+            return 0 if isinstance(e, EOFError) else 130
         command = text.strip()
         if not command:
             continue
         if command.startswith("/") and "\n" not in command:
-            if command in ("/exit", "/quit", "/bye"):
+            if command in EXIT:
                 return 0
             _command(command, session, screen, last)
             continue
         try:
             ids = session.turn_ids(text, system)
-            last = _reply(session, screen, ids) or last
+            rec = _reply(session, screen, ids, terminal, replies if as_json else None)
+            if rec is not None:
+                last, replies = rec, replies + 1
         except KeyboardInterrupt:
-            screen.note("")
+            _end_prompt_line(screen)
             return 130
         except FtchatError as e:
             screen.note(f"error: {e}")
 
 
+def _end_prompt_line(screen: Screen) -> None:
+    """After Ctrl-C or Ctrl-D at the prompt: end its line where the prompt was drawn (stdout,
+    as input() writes it), so that a redirected stderr cannot leave it unfinished."""
+    try:
+        screen.out.write("\n")
+        screen.out.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _command(command: str, session: Session, screen: Screen, last: StepRecord | None) -> None:
-    if command == "/reset":
+    if command in RESET:
         session.reset()
         screen.note("conversation cleared")
     elif command == "/stats":
@@ -111,29 +138,40 @@ def _command(command: str, session: Session, screen: Screen, last: StepRecord | 
         screen.note(f"unknown command {command}: /help lists them")
 
 
-def _reply(session: Session, screen: Screen, ids: list[int]) -> StepRecord | None:
-    """Stream one reply; returns its last record (None if nothing was generated)."""
+def _reply(session: Session, screen: Screen, ids: list[int], terminal: Terminal,
+           json_index: int | None = None) -> StepRecord | None:
+    """Stream one reply (or, with json_index, write it as one JSON object once done); returns
+    its last record (None if nothing was generated)."""
     replies = session.chat(ids)  # raises here when the turn does not fit
-    decoder, last, ends_line = ReplyText(session.tokenizer), None, True
-    with _CtrlC() as ctrl_c, screen.live() as out:
+    decoder = ReplyText(session.tokenizer, session.settings.stop)
+    last, ends_line, tokens = None, True, []
+    with _CtrlC() as ctrl_c, terminal.replying(), screen.live() as out:
         try:
             for rec in replies:
                 last = rec
-                if rec.stop != "eos":  # the stop token ends the turn; it is not text
+                tokens.append(rec.token)
+                if json_index is None and rec.stop != "eos":  # the stop token is not text
                     text = printable(decoder.feed(rec.token))
                     out.write(text)
                     ends_line = text.endswith("\n") if text else ends_line
                 out.show(rec.figures)
+                terminal.poll()
                 if ctrl_c.requested:
                     break
         finally:
             replies.close()  # at a step boundary: the conversation state stays whole
-        text = printable(decoder.flush())
-        out.write(text + ("" if (text.endswith("\n") if text else ends_line) else "\n"))
+        if json_index is not None:
+            if last is not None:
+                final = last if last.stop else replace(last, stop="interrupted")
+                out.write(json_reply(session, json_index, final, tokens) + "\n")
+        else:
+            text = printable(decoder.flush())
+            out.write(text + ("" if (text.endswith("\n") if text else ends_line) else "\n"))
     if ctrl_c.requested and (last is None or last.stop is None):
         screen.note("[interrupted]")
-    if last is not None:
-        screen.note(summary_line(last))
+    if last is not None and not session.settings.quiet:
+        # the conversation's context: the turn is closed now (its <|im_end|> counts), as /stats
+        screen.note_parts(summary_parts(last, f"{session.context_used}/{session.max_len}"))
     return last
 
 

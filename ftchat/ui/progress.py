@@ -12,13 +12,15 @@ from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
 
 
 @contextmanager
-def progress_bar(err: TextIO, label: str) -> Iterator[Callable[[str, int, int], None]]:
-    """Yields a callback (stage, done, total) that draws one bar per stage."""
-    console = Console(file=err)
+def progress_bar(err: TextIO | None, label: str) -> Iterator[Callable[[str, int, int], None]]:
+    """Yields a callback (stage, done, total) that draws one bar per stage (none if `err` is
+    None: --quiet)."""
+    console = Console(file=err) if err is not None else None
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True,
-                  disable=not console.is_terminal) as bars:
+                  disable=console is None or not console.is_terminal
+                  or console.is_dumb_terminal) as bars:  # TERM=dumb: no erasing, a blank line
         tasks: dict[str, int] = {}
 
         def update(stage: str, done: int, total: int) -> None:

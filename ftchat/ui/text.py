@@ -3,7 +3,10 @@ reply must stay on one line, and an empty think block is not worth showing."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ftchat.model.tokenizer import StreamDecoder
+from ftchat.session import StopText
 
 _LINE_ESCAPES = {"\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -40,37 +43,47 @@ class ReplyText:
     """The text of a streamed reply as shown (plain output; --json keeps the exact text): ids
     decoded incrementally, without an empty think block at its start. The chat template opens
     `<think>` in the prompt, so a model that does not reason starts its reply with `</think>`
-    and blank lines; a block with reasoning in it is shown as generated."""
+    and blank lines, and a small one may close it more than once (the demo model answers "hi"
+    with `</think>` twice): every `</think>` before the first other text is dropped, with the
+    whitespace around it. A block with reasoning in it is shown as generated.
+
+    With stop strings the text ends before the first one (the rule of StopText, applied to the
+    text as generated, before the think block is looked at)."""
 
     CLOSE = "</think>"
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, stops: Sequence[str] = ()) -> None:
         self.decoder = StreamDecoder(tokenizer)
+        self.stop = StopText(stops)
         self.held = ""  # the reply's start while it may still be an empty think block
-        self.state = "start"  # start | after (drop the newlines after it) | pass
+        self.closed = False  # a `</think>` was dropped: the newlines after it go too
+        self.passing = False  # past the start: text goes through as is
 
     def feed(self, token_id: int) -> str:
-        return self._filter(self.decoder.feed(token_id))
+        return self._filter(self.stop.feed(self.decoder.feed(token_id)))
 
     def flush(self) -> str:
-        out = self._filter(self.decoder.flush()) + self.held
-        self.held, self.state = "", "pass"
+        out = self._filter(self.stop.feed(self.decoder.flush()) + self.stop.flush())
+        if not self.passing:
+            out += self._release()
+        self.passing = True
+        return out
+
+    def _release(self) -> str:
+        out = self.held.lstrip("\n") if self.closed else self.held
+        self.held = ""
         return out
 
     def _filter(self, text: str) -> str:
-        if self.state == "pass":
-            return text
-        if self.state == "after":
-            text = text.lstrip("\n")
-            self.state = "pass" if text else "after"
+        if self.passing:
             return text
         self.held += text
-        head = self.held.lstrip()
-        if head.startswith(self.CLOSE):
-            rest = head[len(self.CLOSE):].lstrip("\n")
-            self.held, self.state = "", "pass" if rest else "after"
-            return rest
-        if self.CLOSE.startswith(head):  # undecided: whitespace, or part of the tag so far
-            return ""
-        out, self.held, self.state = self.held, "", "pass"
-        return out
+        while True:
+            head = self.held.lstrip()
+            if head.startswith(self.CLOSE):  # one more empty close: drop it and look again
+                self.held, self.closed = head[len(self.CLOSE):], True
+                continue
+            if self.CLOSE.startswith(head):  # undecided: whitespace, or part of the tag so far
+                return ""
+            self.passing = True
+            return self._release()

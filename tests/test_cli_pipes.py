@@ -1,0 +1,271 @@
+"""Piped mode (issue 16): each prompt answered as it arrives, Ctrl-C ends the last line cleanly,
+empty prompts and other bad lines are plain errors (an error object under --json), stop
+strings."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ftchat import engine
+from ftchat.cli import main
+from ftchat.model.synth import write_checkpoint
+from ftchat.session import Session
+from ftchat.settings import Settings
+from ftchat.ui.text import one_line
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("FREETOKEN_MOE_") and k != "FTCHAT_DEBUG"}
+    return {**env, "OMP_NUM_THREADS": "1", "TERM": "dumb"}
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ftchat.cli", "run", *args, "--threads", "1"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=child_env())
+
+
+def read_line(stream, timeout: float) -> bytes | None:
+    """One line of `stream`, or None if none came within `timeout` seconds."""
+    buf, end = b"", time.monotonic() + timeout
+    fd = stream.fileno()
+    while not buf.endswith(b"\n"):
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return buf or None
+        buf += chunk
+    return buf
+
+
+def _main(argv, capsys, monkeypatch, stdin_text: str = ""):
+    capsys.readouterr()
+    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_error(code, out, err, *expected, stdout=""):
+    assert code == 1 and out == stdout, (code, out, err)
+    lines = err.splitlines()
+    errors = [ln for ln in lines if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == lines[-1], err
+    assert "Traceback" not in err and "internal error" not in err
+    for text in expected:
+        assert text in errors[0], err
+    return errors[0]
+
+
+def greedy_reply(s: Session, text: str, n: int) -> list[int]:
+    ids = s.encode_messages([{"role": "user", "content": text}])
+    out = []
+    for step in engine.generate(s.model, [ids], n, s.experts):
+        out.append(step.tokens[0])
+        if out[-1] in s.tokenizer.eos_ids:
+            break
+    return out
+
+
+# ===== as it arrives =====
+
+
+def test_first_reply_comes_before_the_second_line_exists(tiny_nvfp4):
+    # `(echo hello; sleep 6; echo hi) | ftchat run`: before, the first reply came after EOF
+    p = spawn(str(tiny_nvfp4), "--max-new-tokens", "4")
+    try:
+        p.stdin.write(b"hello\n")
+        p.stdin.flush()
+        first = read_line(p.stdout, 90)  # stdin stays open: no EOF, no second line yet
+        assert first is not None and first.strip(), "no reply while the input was still open"
+        p.stdin.write(b"hi\n")
+        p.stdin.close()
+        rest, err = p.stdout.read(), p.stderr.read()
+        assert p.wait(60) == 0, err
+    finally:
+        p.kill()
+        p.wait()
+    s = Session.open(tiny_nvfp4, Settings())
+    eos = s.tokenizer.eos_ids
+    want = [one_line(s.tokenizer.decode([t for t in greedy_reply(s, q, 4) if t not in eos]))
+            for q in ("hello", "hi")]
+    assert [first.decode().rstrip("\n"), *rest.decode().splitlines()] == want
+    assert b"2 replies" in err and b"Traceback" not in err
+
+
+def test_batch_gathers_only_prompts_already_there(tiny_nvfp4, monkeypatch, capsys):
+    # All lines present (a file): --batch-size 2 decodes them two by two, as before
+    calls = []
+    real = engine.decode
+
+    def recording(dec, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        yield from real(dec, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "decode", recording)
+    code, out, err = _main(["run", tiny_nvfp4, "--batch-size", "2", "--max-new-tokens", "2"],
+                           capsys, monkeypatch, "a\nb\nc\n")
+    assert code == 0 and len(out.splitlines()) == 3, err
+    assert calls == [2, 1]
+
+
+# ===== Ctrl-C =====
+
+
+@pytest.fixture(scope="module")
+def endless(tmp_path_factory):
+    def no_eos(name, t):
+        if name == "lm_head.weight":
+            t = t.clone()
+            t[[507, 509]] = 0
+        return t
+
+    return write_checkpoint(tmp_path_factory.mktemp("ck") / "endless", "tiny",
+                            fmt="nvfp4-modelopt", seed=1, weights_fn=no_eos)
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_ctrl_c_in_piped_mode_ends_the_last_line(endless, as_json):
+    p = spawn(str(endless), "--max-new-tokens", "100000", *(["--json"] if as_json else []))
+    try:
+        p.stdin.write(b"hello\n")
+        p.stdin.flush()
+        if not as_json:  # the reply is streaming
+            assert select.select([p.stdout.fileno()], [], [], 90)[0]
+            time.sleep(0.5)
+        else:  # loaded, then decoding for a while
+            while b"loaded in" not in (line := read_line(p.stderr, 90) or b"loaded in"):
+                pass
+            time.sleep(1.5)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 130, err
+    assert out.endswith(b"\n") and out.count(b"\n") == 1, out[-200:]  # before: no newline
+    assert b"Traceback" not in err and b"[interrupted]" in err
+    if as_json:
+        obj = json.loads(out)
+        assert obj["stop"] == "interrupted" and len(obj["tokens"]) >= 1
+
+
+# ===== empty prompts and bad lines =====
+
+
+def test_empty_prompt_flag_is_an_error(capsys, monkeypatch):
+    for value in ("", "   "):
+        one_error(*_main(["run", "--prompt", value], capsys, monkeypatch),
+                  "--prompt", "expected a prompt with some text in it")
+
+
+def test_empty_json_prompt_plain_is_an_error(tiny_nvfp4, capsys, monkeypatch):
+    one_error(*_main(["run", tiny_nvfp4, "--max-new-tokens", "2"], capsys, monkeypatch,
+                     'hello\n{"prompt": ""}\n'),
+              'stdin line 2: "prompt" is empty')
+
+
+def test_bad_lines_under_json_are_error_objects(tiny_nvfp4, capsys, monkeypatch):
+    lines = ['{"prompt": "hello"}', '{"prompt": ""}', '{"prompt": 3}', "not json {",
+             '{"prompt": "hi", "top_k": 5}', '{"prompt": "what?"}']
+    code, out, err = _main(["run", tiny_nvfp4, "--json", "--max-new-tokens", "3"], capsys,
+                           monkeypatch, "\n".join(lines) + "\n")
+    assert code == 1, err
+    objs = [json.loads(line) for line in out.splitlines()]
+    assert [o["index"] for o in objs] == list(range(6))  # one object per non-blank line
+    assert "tokens" in objs[0] and "tokens" in objs[3] and "tokens" in objs[5]  # a plain line
+    assert objs[1] == {"index": 1, "error": 'stdin line 2: "prompt" is empty: give a prompt '
+                                            "with some text in it"}
+    assert objs[2]["error"] == 'stdin line 3: "prompt" must be a string with some text in it'
+    assert objs[4]["error"].startswith('stdin line 5: "top_k" applies to sampling')
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        "error: " + objs[i]["error"] for i in (1, 2, 4)]
+    assert "Traceback" not in err
+
+
+def test_a_bad_line_arriving_later_stops_a_plain_run(tiny_nvfp4):
+    # lines that arrive after the start are checked as they come: the replies before stay
+    p = spawn(str(tiny_nvfp4), "--max-new-tokens", "3")
+    try:
+        p.stdin.write(b"hello\n")
+        p.stdin.flush()
+        assert read_line(p.stdout, 90) is not None
+        p.stdin.write(b'{"prompt": "x", "max_new_tokens": 0}\nnever answered\n')
+        p.stdin.close()
+        rest, err = p.stdout.read(), p.stderr.read().decode()
+        assert p.wait(60) == 1
+    finally:
+        p.kill()
+        p.wait()
+    assert rest == b""
+    assert err.splitlines()[-1] == ('error: stdin line 2: "max_new_tokens" must be a positive '
+                                    "integer")
+
+
+# ===== stop strings =====
+
+
+def test_stop_strings_end_replies_before_them(tiny_nvfp4, capsys, monkeypatch):
+    s = Session.open(tiny_nvfp4, Settings())
+    full = greedy_reply(s, "What is 2+2?", 12)
+    text = s.tokenizer.decode(full)
+    stop = text[4:6]  # a string from the middle of the greedy reply
+    assert stop.strip() and text.find(stop) == 4, text
+    code, out, err = _main(["run", tiny_nvfp4, "--max-new-tokens", "12", "--stop", stop,
+                            "--stop", "never there"], capsys, monkeypatch, "What is 2+2?\n")
+    assert code == 0, err
+    assert out == one_line(text[:4]) + "\n"
+    line = json.dumps({"prompt": "What is 2+2?", "stop": [stop]})
+    code, out, err = _main(["run", tiny_nvfp4, "--max-new-tokens", "12", "--json"], capsys,
+                           monkeypatch, line + "\n")
+    obj = json.loads(out)
+    assert code == 0 and obj["stop"] == "stop_string" and obj["text"] == text[:4]
+    assert s.tokenizer.decode(obj["tokens"]).find(stop) >= 0  # ended at the token completing it
+    assert len(obj["tokens"]) < len(full)
+
+
+def test_stop_string_flag_must_not_be_empty(capsys, monkeypatch):
+    one_error(*_main(["run", "--stop", "", "--prompt", "hi"], capsys, monkeypatch),
+              "--stop", "a non-empty stop string")
+
+
+# ===== the demo model's reply to "hi" =====
+
+
+def test_demo_reply_to_hi_shows_no_think_tag(capsys, monkeypatch):
+    # The shipped demo model answers "hi" with </think> twice; only the first was dropped
+    from ftchat.resolve import SHIPPED_DEMO
+    from ftchat.ui.chat import run_chat
+    from ftchat.ui.panel import Screen
+
+    code, out, err = _main(["run", "--max-new-tokens", "24"], capsys, monkeypatch, "hi\n")
+    assert code == 0, err
+    assert out.startswith("```python") and "think>" not in out, out
+    code, raw, err = _main(["run", "--max-new-tokens", "24", "--json"], capsys, monkeypatch,
+                           "hi\n")
+    assert json.loads(raw)["text"].startswith("</think>\n\n</think>")  # --json: exact text
+    s = Session.open(SHIPPED_DEMO, Settings(max_new_tokens=24))
+    shown = io.StringIO()
+    lines = iter(["hi"])
+
+    def read(prompt):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    assert run_chat(s, Screen(shown, io.StringIO(), panel=False), None, read) == 0
+    assert shown.getvalue().startswith("```python") and "think>" not in shown.getvalue()
