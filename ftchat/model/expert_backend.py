@@ -2,7 +2,9 @@
 
 The MoE block splits its routed experts in two calls so the shared expert runs in between:
 `begin` makes the routed experts readable (offload: slot lookup, demand copies, prefetch) and
-returns a Pending; `finish` waits for it and runs the routed expert kernel.
+returns a Pending; `finish` waits for it and runs the routed expert kernel. On CUDA decode the
+block hands `finish` the shared expert's down output and gate logit (SharedOut), and the routed
+kernel adds the gated shared expert in its combine step (docs/model.md section 5.1).
 Legend: T tokens, D hidden, K top-k, R row bytes.
 """
 
@@ -10,9 +12,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from torch import Tensor
+
+
+class SharedOut(NamedTuple):
+    """The shared expert before its gate: down_s(silu(g) * u) [T, D] and the gate logit
+    w_sg . x [T, 1] (any row stride), both in the model dtype."""
+
+    down: Tensor
+    gate_logit: Tensor
 
 
 @dataclass(frozen=True)
@@ -37,8 +47,10 @@ class ExpertBackend(Protocol):
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         """Make experts `ids` [T, K] of `layer` readable; x [T, D] is the router input."""
 
-    def finish(self, pending: Pending, x: Tensor, weights: Tensor) -> Tensor:
-        """Weighted sum [T, D] of the routed experts' outputs (weights [T, K])."""
+    def finish(self, pending: Pending, x: Tensor, weights: Tensor,
+               shared: SharedOut | None = None) -> Tensor:
+        """Weighted sum [T, D] of the routed experts' outputs (weights [T, K]); with `shared`,
+        plus sigmoid(shared.gate_logit) * shared.down in the model dtype (the MoE output)."""
 
     def end_step(self, tokens: int) -> None:
         """One decode step of `tokens` tokens (the batch) is complete."""
@@ -72,8 +84,9 @@ class ForwardingBackend:
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         return self.inner.begin(layer, x, ids)
 
-    def finish(self, pending: Pending, x: Tensor, weights: Tensor) -> Tensor:
-        return self.inner.finish(pending, x, weights)
+    def finish(self, pending: Pending, x: Tensor, weights: Tensor,
+               shared: SharedOut | None = None) -> Tensor:
+        return self.inner.finish(pending, x, weights, shared)
 
     def end_step(self, tokens: int) -> None:
         self.inner.end_step(tokens)

@@ -36,7 +36,63 @@ def l2norm(x: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
+    """down(silu(gate . x) * (up . x)), every op in x's dtype (docs/model.md section 5.1)."""
     return F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+
+
+# ===== the MoE block's shared expert (docs/model.md section 5.1) =====
+
+SHARED_PROJECTIONS = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
+                      "shared_expert_gate.weight")  # [I, D], [I, D], [1, D]: all read x
+SHARED_FUSED = "shared_expert_fused.weight"  # [2I + 1, D]; the three above are row views of it
+
+
+def shared_expert_ref(x: Tensor, w: dict) -> Tensor:
+    """The gated shared expert sigmoid(w_sg . x) * swiglu(x) [T, D], every op in x's dtype: the
+    reference (and CPU / prefill path) of the fused decode path in qwen4_exp.moe_block."""
+    s = swiglu(x, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
+               w["shared_expert.down_proj.weight"])
+    return torch.sigmoid(F.linear(x, w["shared_expert_gate.weight"])) * s
+
+
+def fuse_moe_projections(w: dict) -> dict[str, Tensor]:
+    """Concatenate one MoE block's shared-expert gate, up and gate-logit weights into
+    w[SHARED_FUSED] [2I + 1, D] (one GEMV at decode) and replace the three entries of w by row
+    views of it, so the originals can be freed (no memory doubles once nothing else holds them).
+    Only for dense 2-D float weights on one device and dtype with gate and up alike and a
+    one-row gate; returns the replaced entries (empty when nothing was fused)."""
+    parts = [w.get(n) for n in SHARED_PROJECTIONS]
+    if SHARED_FUSED in w or not all(_dense_2d(p) for p in parts):
+        return {}
+    if len({(p.device, p.dtype, p.shape[1]) for p in parts}) != 1:
+        return {}
+    if parts[0].shape != parts[1].shape or parts[2].shape[0] != 1:
+        return {}
+    fused = torch.cat(parts)  # [2I + 1, D]
+    views, row = {}, 0
+    for name, p in zip(SHARED_PROJECTIONS, parts):
+        views[name] = fused[row : row + p.shape[0]]
+        row += p.shape[0]
+    w.update(views)
+    w[SHARED_FUSED] = fused
+    return views
+
+
+def fuse_moe_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
+    """fuse_moe_projections on every layer's `mlp` dict (Weights does this at load), with the
+    same views put into the flat checkpoint-name dict, so nothing holds the originals. On CUDA
+    their blocks go back to the driver after each layer (as for the GDN projections: the expert
+    slots are sized from free VRAM)."""
+    for i, lw in enumerate(layers):
+        views = fuse_moe_projections(lw.get("mlp", {}))
+        for name, view in views.items():
+            tensors[f"layers.{i}.mlp.{name}"] = view
+        if views and views[SHARED_PROJECTIONS[0]].is_cuda:
+            torch.cuda.empty_cache()
+
+
+def _dense_2d(t) -> bool:
+    return type(t) is Tensor and t.dim() == 2 and t.is_floating_point() and t.is_contiguous()
 
 
 def rope_cos_sin(pos: Tensor, rotary_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

@@ -13,12 +13,13 @@ from torch import Tensor
 
 from ftchat.kernels import hyper, router, use_fused
 from ftchat.model.config import ModelArgs
-from ftchat.model.expert_backend import ExpertBackend
+from ftchat.model.expert_backend import ExpertBackend, SharedOut
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
-from ftchat.model.layers import rms_norm, swiglu
+from ftchat.model.layers import SHARED_FUSED, fuse_moe_layers, rms_norm, shared_expert_ref
 from ftchat.model.ple import ple_layer
 from ftchat.model.qsa import attention_mixer
 from ftchat.model.state import DecodeState
+from ftchat.offload import expert_kernels as ek
 
 BLOCKS = ("ple", "attn_hyper_connection", "self_attn", "linear_attn", "mlp_hyper_connection", "mlp")
 
@@ -34,6 +35,7 @@ class Weights:
         ]
         self.final_mixer = _sub(tensors, "hyper_connection_mixer.")
         fuse_gdn_layers(tensors, self.layers)  # GDN decode: one GEMV on [qkv | z | b | a]
+        fuse_moe_layers(tensors, self.layers)  # shared expert: one GEMV on [gate | up | gate logit]
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
@@ -110,15 +112,27 @@ def route_ref(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
 
 
 def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs) -> Tensor:
-    """x [B, T, D] -> [B, T, D]: routed experts (through the backend) plus the gated shared expert."""
+    """x [B, T, D] -> [B, T, D]: routed experts (through the backend) plus the gated shared expert
+    (docs/model.md section 5.1), the shared expert computed while the routed rows are copied.
+    CUDA decode (<= 8 rows, fused shared weights): `shared_expert_parts`, and the backend's
+    routed kernel adds the gate and the sum (`finish(..., shared)`); else the torch reference
+    `routed + shared_expert_ref`. The fused path rounds where torch does (bf16 within ~an ulp)."""
     xt = x.flatten(0, 1)  # [B*T, D]
     ids, weights = route(xt, w["gate.weight"], a)
     pending = experts.begin(layer, xt, ids)
-    shared = swiglu(xt, w["shared_expert.gate_proj.weight"], w["shared_expert.up_proj.weight"],
-                    w["shared_expert.down_proj.weight"])
-    routed = experts.finish(pending, xt, weights)
-    shared = torch.sigmoid(F.linear(xt, w["shared_expert_gate.weight"])) * shared
-    return (routed + shared).view_as(x)
+    if SHARED_FUSED in w and _fused(xt, ek.DECODE_MAX_TOKENS):
+        return experts.finish(pending, xt, weights, shared_expert_parts(xt, w)).view_as(x)
+    shared = shared_expert_ref(xt, w)
+    return (experts.finish(pending, xt, weights) + shared).view_as(x)
+
+
+def shared_expert_parts(x: Tensor, w: dict) -> SharedOut:
+    """The shared expert before its gate, for CUDA decode: one GEMV on [gate | up | gate logit]
+    [2I + 1, D], silu(g) * u in one kernel, the down GEMV. x [N, D] -> down [N, D], logit [N, 1]."""
+    down_w = w["shared_expert.down_proj.weight"]  # [D, I]
+    gu = F.linear(x, w[SHARED_FUSED])  # [N, 2I + 1]
+    h = ek.shared_act_triton(gu, down_w.shape[1])  # [N, I]
+    return SharedOut(F.linear(h, down_w), gu[:, 2 * down_w.shape[1]:])
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ftchat.model.expert_backend import ExpertBackend, Pending
+from ftchat.model.expert_backend import ExpertBackend, Pending, SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
@@ -75,9 +75,10 @@ class ResidentExperts(_NoCache):
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         return Pending(layer, ids, (ids + layer * self.num_experts).to(torch.int32), self.rows)
 
-    def finish(self, pending: Pending, x: Tensor, weights: Tensor) -> Tensor:
+    def finish(self, pending: Pending, x: Tensor, weights: Tensor,
+               shared: SharedOut | None = None) -> Tensor:
         p = pending
-        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
+        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
 
     def for_prefill(self) -> ResidentExperts:
         return self
@@ -192,10 +193,11 @@ class OffloadExperts:
         self.live[layer] = (plan, pplan, x)
         return Pending(layer, ids, plan.slots, self.bank, demand_done)
 
-    def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
+    def finish(self, p: Pending, x: Tensor, weights: Tensor,
+               shared: SharedOut | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
         self.hooks.before_kernel(self.view, p)
-        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
+        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
         self.hooks.after_kernel(self.view, p)
         return out
 
@@ -328,9 +330,10 @@ class StagedExperts(_NoCache):
         copy_rows(self.host, self.staging, host_src, host_dst, n_host, self.programs)
         copy_rows(self.bank, self.staging, slot_src, slot_dst, n_slot, self.programs)
 
-    def finish(self, p: Pending, x: Tensor, weights: Tensor) -> Tensor:
+    def finish(self, p: Pending, x: Tensor, weights: Tensor,
+               shared: SharedOut | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
-        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights)
+        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
 
     def for_prefill(self) -> StagedExperts:
         return self

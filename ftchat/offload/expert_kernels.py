@@ -1,32 +1,53 @@
 """Routed experts for decode, reading weights straight from the slot bank by slot id (Triton).
 
-Three kernels: (1) one program per (token, k, block of I rows): the gate and up GEMVs in one
-tile, h = silu(g) * u, stored fp32 [T, K, I]; (2) one program per (token, k, block of D rows): the
-down GEMV, y fp32 [T, K, D]; (3) out[t] = sum_k weights[t, k] * y[t, k] in fp32, k ascending, cast
-to x.dtype. Splitting (2) from (3) keeps every (token, k) in flight at once. NVFP4 rows are
-dequantized in the kernel: per 16-element group sum E2M1 * x, times the fp32 block scale, summed
-over the reduction, times the row's global once after the loop. A program reads only its slot's
-bytes, so the result does not depend on which slot holds an expert. `routed_experts_decode_ref` is
-the same math in torch; `routed_experts_any` is the one call site for the engine.
-Legend: T tokens, D hidden, K top-k, I expert inner dim, S slots, R row bytes.
+Two kernel sets (`DecodeTiles.variant`), same math, selectable so the benchmark compares them:
+* "v1" (the measured baseline, docs/performance.md): (1) one program per (token, k, block of I
+  rows): the gate and up GEMVs in one tile, h = silu(g) * u, stored fp32 [T, K, I]; (2) one
+  program per (token, k, block of D rows): the down GEMV, y fp32 [T, K, D]; (3) out[t] =
+  sum_k weights[t, k] * y[t, k] in fp32, k ascending, cast to x.dtype. Splitting (2) from (3)
+  keeps every (token, k) in flight at once.
+* "v2": (1) as v1 with the reduction over D unrolled and the next step's words loaded before the
+  current step is decoded (memory-level parallelism instead of one HBM latency per step), h
+  stored word-major for NVFP4 (element 8w + j at j * I/8 + w: kernel 2 then loads its x
+  contiguously); (2) the down GEMV as v1, and the last of a D block's K programs to finish (an
+  atomic counter it resets: graph-safe, no memset) does (3) for that block: two launches, and the
+  sum is v1's (fp32, k ascending, from y), whichever program is last.
+* "v3": v2 with the NVFP4 codes decoded by inline PTX through the hardware e4m3 -> f16
+  conversion (`_E2M1_E4M3_PTX`: ~12 % fewer instructions per weight in sm_90 SASS). The
+  interpreter cannot run PTX: there v3 runs v2's decode, so only the device tests check it.
+NVFP4 rows are dequantized in the kernel: per 16-element group sum E2M1 * x, times the fp32 block
+scale, summed over the reduction, times the row's global once after the loop (docs/model.md
+section 10, "Routed experts"). A program reads only its slot's bytes, so the result does not
+depend on which slot holds an expert. `routed_experts_decode_ref` is the same math in torch;
+`routed_experts_any` is the one call site for the engine.
+
+The shared expert (docs/model.md section 5.1) rides along on CUDA decode: `shared_act_triton`
+turns the one fused GEMV's output [T, 2I + 1] (gate | up | gate logit) into h_s = silu(g) * u,
+and the combine step adds sigmoid(gate logit) * down_s(h_s) with the reference's roundings
+(`add_shared` is its torch form), so the MoE output comes out of the routed kernels.
+Legend: T tokens, D hidden, K top-k, I expert inner dim, S slots, R row bytes, NB = cdiv(D,
+down_rows) D blocks.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ftchat.model.expert_backend import SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 
 DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
-
+VARIANTS = ("v1", "v2", "v3")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at decoration, as here
 
 
 @dataclass(frozen=True)
@@ -40,13 +61,16 @@ class DecodeTiles:
     down_rows: int  # output rows per program of kernel 2
     down_k: int  # reduction elements (over I) per loop step of kernel 2
     down_warps: int
-    combine_rows: int = 256  # output columns per program of kernel 3
+    combine_rows: int = 256  # output columns per program of kernel 3 (v1 only)
+    variant: str = "v1"  # the kernel set (module docstring); "v1" is the measured baseline
 
 
 def default_tiles(layout: RowLayout) -> DecodeTiles:
-    # NVFP4 decode is issue-bound (~5 instructions per weight in sm_90 SASS at 4 rows per
-    # thread): these tiles give each thread 4 rows x 4 words and 400 programs per kernel at
-    # D=2560, I=640, K=10, T=1. Dense rows are plainly memory-bound.
+    # v1 NVFP4: each thread 4 rows x 4 words, 400 programs per kernel at D=2560, I=640, K=10,
+    # T=1; ~5.1 instructions per weight in the loop body (sm_90 SASS), one HBM latency per loop
+    # step (the loop is not pipelined), three launches: 34.3 us at bs 1 (docs/performance.md).
+    # v2 / v3 tiles: benchmarks/bench_routed_nvfp4.py sweeps them on the H200 (the lead picks
+    # the default there). Dense rows are plainly memory-bound.
     if layout.kind == "nvfp4":
         return DecodeTiles(16, 512, 4, 64, 128, 2)
     return DecodeTiles(16, 128, 4, 32, 128, 4)
@@ -66,6 +90,51 @@ def _e2m1_pair(w, J: tl.constexpr):
     lo = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     hi = (bits >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
+
+
+# codes 0..7 of an int32 word -> E2M1 * 2^-6 as fp32, exact, through the hardware e4m3 -> f16
+# conversion (sm_89+): each nibble becomes the e4m3 byte s 0 0 e1 e0 m 0 0 (value E2M1 * 2^-6, the
+# code 0.5 a subnormal), four per register in two logic ops: odd codes (high nibbles) keep their
+# sign at bit 7 and move the magnitude down 2 bits, even codes move up 4 (sign) and 2. Then 4
+# e4m3x2 -> f16x2 and 8 f16 -> f32 conversions: ~2.4 instructions per code against ~3 for
+# _e2m1_pair. Not in the interpreter (no inline PTX there): the v3 kernels run v2's decode there.
+_PTX = """{
+.reg .b32 t0, t1, t2, od, ev, h0, h1, h2, h3;
+.reg .b16 p0, p1, p2, p3, q0, q1, q2, q3, q4, q5, q6, q7;
+shr.b32 t0, $8, 2;
+and.b32 t0, t0, 0x1C1C1C1C;
+lop3.b32 od, $8, 0x80808080, t0, 0xEA;
+shl.b32 t1, $8, 4;
+shl.b32 t2, $8, 2;
+and.b32 t2, t2, 0x1C1C1C1C;
+lop3.b32 ev, t1, 0x80808080, t2, 0xEA;
+mov.b32 {p0, p1}, ev;
+mov.b32 {p2, p3}, od;
+cvt.rn.f16x2.e4m3x2 h0, p0;
+cvt.rn.f16x2.e4m3x2 h1, p1;
+cvt.rn.f16x2.e4m3x2 h2, p2;
+cvt.rn.f16x2.e4m3x2 h3, p3;
+mov.b32 {q0, q2}, h0;
+mov.b32 {q4, q6}, h1;
+mov.b32 {q1, q3}, h2;
+mov.b32 {q5, q7}, h3;
+cvt.f32.f16 $0, q0;
+cvt.f32.f16 $1, q1;
+cvt.f32.f16 $2, q2;
+cvt.f32.f16 $3, q3;
+cvt.f32.f16 $4, q4;
+cvt.f32.f16 $5, q5;
+cvt.f32.f16 $6, q6;
+cvt.f32.f16 $7, q7;
+}"""
+_E2M1_E4M3_PTX = tl.constexpr(_PTX) if HAS_TRITON else _PTX  # a jit function reads constexprs
+
+
+@_jit
+def _e2m1_word(w):
+    # (codes 0..7 of int32 words w) * 2^-6 as 8 fp32 tensors: _E2M1_E4M3_PTX
+    return tl.inline_asm_elementwise(_E2M1_E4M3_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [w],
+                                     dtype=(tl.float32,) * 8, is_pure=True, pack=1)
 
 
 @_jit
@@ -135,6 +204,142 @@ def _rows_dot(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, x_ptr, rows,
     return y
 
 
+@_jit
+def _fp4_load(w_rows, s_rows, rows_ok, kw, ww, gg, NW: tl.constexpr, NG: tl.constexpr,
+              EVEN: tl.constexpr):
+    # one step's words [BLOCK_N, BLOCK_W] and block scales [BLOCK_N, BLOCK_W // 2] from word kw
+    if EVEN:
+        w_ok, s_ok = rows_ok[:, None], rows_ok[:, None]
+    else:
+        w_ok = rows_ok[:, None] & (kw + ww < NW)[None, :]
+        s_ok = rows_ok[:, None] & (kw // 2 + gg < NG)[None, :]
+    w = tl.load(w_rows + kw + ww[None, :], mask=w_ok, other=0)
+    s = tl.load(s_rows + kw // 2 + gg[None, :], mask=s_ok, other=0)
+    return w, s
+
+
+@_jit
+def _x_codes(x_ptr, kw, ww, j, x_ok, NW: tl.constexpr, XPERM: tl.constexpr):
+    # x[8 * (kw + ww) + j] as fp32 [BLOCK_W]; XPERM: x is stored word-major (element 8w + j at
+    # j * NW + w), so the load is contiguous
+    if XPERM:
+        ptr = x_ptr + j * NW + kw + ww
+    else:
+        ptr = x_ptr + 8 * (kw + ww) + j
+    return tl.load(ptr, mask=x_ok, other=0.0).to(tl.float32)
+
+
+@_jit
+def _fp4_dot2(w32_ptr, u8_ptr, x_ptr, rows, rows_ok, K: tl.constexpr, W_OFF: tl.constexpr,
+              S_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+              EVEN: tl.constexpr, XPERM: tl.constexpr, ASM: tl.constexpr):
+    # _fp4_dot's sums in _fp4_dot's order, with the loop over K unrolled and the next step's
+    # words and scales loaded before the current step is decoded (two steps in flight per thread);
+    # ASM: codes decoded by _e2m1_word (values * 2^-6 instead of * 2^-14, the same sums)
+    NW: tl.constexpr = K // 8
+    NG: tl.constexpr = K // 16
+    STEPS: tl.constexpr = (NW + BLOCK_W - 1) // BLOCK_W
+    ww = tl.arange(0, BLOCK_W)
+    gg = tl.arange(0, BLOCK_W // 2)
+    w_rows = w32_ptr + W_OFF + rows[:, None] * NW
+    s_rows = u8_ptr + S_OFF + rows[:, None] * NG
+    acc = tl.zeros([BLOCK_N, BLOCK_W // 2], dtype=tl.float32)
+    w, s = _fp4_load(w_rows, s_rows, rows_ok, 0, ww, gg, NW, NG, EVEN)
+    for step in tl.static_range(STEPS):
+        kw = step * BLOCK_W
+        if step + 1 < STEPS:
+            w_next, s_next = _fp4_load(w_rows, s_rows, rows_ok, kw + BLOCK_W, ww, gg, NW, NG, EVEN)
+        x_ok = (ww < BLOCK_W) if EVEN else (kw + ww < NW)
+        part = tl.zeros([BLOCK_N, BLOCK_W], dtype=tl.float32)
+        if ASM:
+            c0, c1, c2, c3, c4, c5, c6, c7 = _e2m1_word(w)
+            part += c0 * _x_codes(x_ptr, kw, ww, 0, x_ok, NW, XPERM)[None, :]
+            part += c1 * _x_codes(x_ptr, kw, ww, 1, x_ok, NW, XPERM)[None, :]
+            part += c2 * _x_codes(x_ptr, kw, ww, 2, x_ok, NW, XPERM)[None, :]
+            part += c3 * _x_codes(x_ptr, kw, ww, 3, x_ok, NW, XPERM)[None, :]
+            part += c4 * _x_codes(x_ptr, kw, ww, 4, x_ok, NW, XPERM)[None, :]
+            part += c5 * _x_codes(x_ptr, kw, ww, 5, x_ok, NW, XPERM)[None, :]
+            part += c6 * _x_codes(x_ptr, kw, ww, 6, x_ok, NW, XPERM)[None, :]
+            part += c7 * _x_codes(x_ptr, kw, ww, 7, x_ok, NW, XPERM)[None, :]
+        else:
+            for j in tl.static_range(4):  # codes j and j + 4 of every word at once
+                lo, hi = _e2m1_pair(w, j)
+                part += lo * _x_codes(x_ptr, kw, ww, j, x_ok, NW, XPERM)[None, :]
+                part += hi * _x_codes(x_ptr, kw, ww, j + 4, x_ok, NW, XPERM)[None, :]
+        part = tl.sum(tl.reshape(part, (BLOCK_N, BLOCK_W // 2, 2)), axis=2)  # [BLOCK_N, groups]
+        undo = 64.0 if ASM else 16384.0  # the decode's factor, undone exactly
+        acc += part * (s.to(tl.float8e4nv, bitcast=True).to(tl.float32) * undo)
+        if step + 1 < STEPS:
+            w, s = w_next, s_next
+    return tl.sum(acc, axis=1)
+
+
+@_jit
+def _rows_dot2(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, x_ptr, rows, rows_ok,
+               K: tl.constexpr, FP4: tl.constexpr, W_OFF: tl.constexpr, S_OFF: tl.constexpr,
+               G_OFF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+               EVEN: tl.constexpr, XPERM: tl.constexpr, ASM: tl.constexpr):
+    # _rows_dot for the v2 kernels: NVFP4 through _fp4_dot2 (x word-major if XPERM), dense as v1
+    if FP4:
+        y = _fp4_dot2(w_ptr + slot * ROW_W, u8_ptr + slot * ROW_U8, x_ptr, rows, rows_ok, K, W_OFF,
+                      S_OFF, BLOCK_N, BLOCK_R, EVEN, XPERM, ASM)
+        y = y * tl.load(f32_ptr + slot * ROW_F32 + G_OFF + rows, mask=rows_ok, other=0.0)
+    else:
+        y = _dense_dot(w_ptr + slot * ROW_W, x_ptr, rows, rows_ok, K, W_OFF, BLOCK_N, BLOCK_R,
+                       EVEN)
+    return y
+
+
+@_jit
+def _rne(x):
+    # fp32 x rounded to the nearest even bf16, as fp32 (exact in bf16; finite inputs). The GPU's
+    # cast does the same, the interpreter's truncates: hence bits
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@_jit
+def _combine_tile(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, t, cols, ok,
+                  D: tl.constexpr, K: tl.constexpr, SHARED: tl.constexpr, BF16: tl.constexpr,
+                  CG: tl.constexpr):
+    # out[t, cols] = sum_k weights[t, k] * y[t, k, cols] in fp32, k ascending, rounded once to
+    # out's dtype; SHARED: then + sigmoid(gl[t]) * s[t, cols] with the reference's roundings
+    # (routed, sigmoid, product and sum each rounded to the model dtype). CG: y comes from other
+    # programs of this launch (read through L2)
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for k in tl.static_range(K):
+        w = tl.load(weights_ptr + t * K + k).to(tl.float32)
+        y_row = y_ptr + (t * K + k) * D + cols
+        if CG:
+            yk = tl.load(y_row, mask=ok, other=0.0, cache_modifier=".cg")
+        else:
+            yk = tl.load(y_row, mask=ok, other=0.0)
+        acc += w * yk
+    if BF16:
+        acc = _rne(acc)  # now exact in bf16
+    if SHARED:
+        sg = tl.div_rn(1.0, 1.0 + tl.exp(-tl.load(gl_ptr + t * GL_STRIDE).to(tl.float32)))
+        sh = tl.load(s_ptr + t * D + cols, mask=ok, other=0.0).to(tl.float32)
+        if BF16:
+            acc = _rne(acc + _rne(_rne(sg) * sh))
+        else:
+            acc = acc + sg * sh
+    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@_jit
+def _last_to_arrive(cnt, n: tl.constexpr):
+    # whether this program is the last of the n sharing counter cnt; the barrier first makes the
+    # CTA's earlier stores happen before thread 0's release (acq_rel) atomic
+    if n == 1:
+        last = True
+    else:
+        tl.debug_barrier()
+        last = tl.atomic_add(cnt, 1, sem="acq_rel") == n - 1
+    return last
+
+
 # ===== kernels: gate_up + silu * up, down, weighted sum over k =====
 
 
@@ -176,22 +381,91 @@ def _down_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_U8,
 
 
 @_jit
-def _combine_kernel(y_ptr, weights_ptr, out_ptr, D: tl.constexpr, K: tl.constexpr,
-                    BLOCK_N: tl.constexpr):
+def _combine_kernel(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, D: tl.constexpr,
+                    K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr,
+                    BF16: tl.constexpr):
     # grid (T, cdiv(D, BLOCK_N)); out[t] = sum_k weights[t, k] * y[t, k], k ascending, fp32
+    # (+ the gated shared expert: _combine_tile)
     t = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < D
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(K):
-        w = tl.load(weights_ptr + t * K + k).to(tl.float32)
-        acc += w * tl.load(y_ptr + (t * K + k) * D + cols, mask=ok, other=0.0)
-    if out_ptr.dtype.element_ty == tl.bfloat16:
-        # explicit round to nearest even: the GPU's cast does it, the interpreter truncates
-        bits = acc.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        acc = bits.to(tl.float32, bitcast=True)  # now exact in bf16 (finite inputs)
-    tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+    _combine_tile(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, t, cols, cols < D, D, K,
+                  SHARED, BF16, False)
+
+
+# ----- v2 -----
+
+
+@_jit
+def _gate_up_v2_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8, ROW_F32,
+                       D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
+                       W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
+                       ASM: tl.constexpr):
+    # grid (T * K, cdiv(I, BLOCK_N)); x [T, D] -> h [T, K, I] fp32, word-major for NVFP4
+    # (element i at (i % 8) * (I / 8) + i // 8: what kernel 2 loads contiguously)
+    tk = tl.program_id(0)
+    r = tl.arange(0, 2 * BLOCK_N)
+    h_rows = tl.program_id(1) * BLOCK_N + r // 2  # [2 * BLOCK_N]
+    rows = h_rows + (r % 2) * I  # gate rows and up rows interleaved, one tile for both
+    ok = h_rows < I
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    gu = _rows_dot2(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, x_ptr + (tk // K) * D,
+                    rows, ok, D, FP4, W_OFF, S_OFF, G_OFF, 2 * BLOCK_N, BLOCK_R, EVEN, False, ASM)
+    gu = tl.reshape(gu, (BLOCK_N, 2))
+    up = tl.arange(0, 2)[None, :] == 1
+    g = tl.sum(tl.where(up, 0.0, gu), axis=1)  # [BLOCK_N]; adding zeros is exact
+    u = tl.sum(tl.where(up, gu, 0.0), axis=1)
+    out = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dst = ((out % 8) * (I // 8) + out // 8) if FP4 else out
+    tl.store(h_ptr + tk * I + dst, g * tl.sigmoid(g) * u, mask=out < I)
+
+
+@_jit
+def _down_combine_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, weights_ptr, out_ptr,
+                         cnt_ptr, s_ptr, gl_ptr, GL_STRIDE, ROW_W, ROW_U8, ROW_F32,
+                         D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
+                         W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
+                         SHARED: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+    # grid (T * K, NB); h [T, K, I] fp32 (word-major for NVFP4) -> y [T, K, D] fp32; the last of
+    # the K programs of (token, D block) to finish combines that block into out (cnt [T, NB]
+    # int32 zeros, left zero)
+    tk = tl.program_id(0)
+    t = tk // K
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < D
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    y = _rows_dot2(w_ptr, u8_ptr, f32_ptr, slot, ROW_W, ROW_U8, ROW_F32, h_ptr + tk * I, rows, ok,
+                   I, FP4, W_OFF, S_OFF, G_OFF, BLOCK_N, BLOCK_R, EVEN, FP4, ASM)
+    tl.store(y_ptr + tk * D + rows, y, mask=ok)
+    cnt = cnt_ptr + t * tl.num_programs(1) + tl.program_id(1)
+    if _last_to_arrive(cnt, K):
+        _combine_tile(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, t, rows, ok, D, K,
+                      SHARED, BF16, True)
+        if K > 1:
+            tl.store(cnt, 0)
+
+
+# ----- the shared expert's activation -----
+
+
+@_jit
+def _shared_act_kernel(gu_ptr, h_ptr, GU_STRIDE, I: tl.constexpr, BLOCK: tl.constexpr,
+                       BF16: tl.constexpr):
+    # grid (T, cdiv(I, BLOCK)); gu [T, >= 2I] (gate | up | ...) -> h [T, I] = silu(g) * u, the
+    # silu and the product each rounded to the model dtype (torch's F.silu(g) * u)
+    t = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    g = tl.load(gu_ptr + t * GU_STRIDE + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(gu_ptr + t * GU_STRIDE + I + cols, mask=ok, other=0.0).to(tl.float32)
+    act = tl.div_rn(g, 1.0 + tl.exp(-g))  # torch's formula, IEEE division
+    if BF16:
+        act = _rne(act)
+    h = act * u
+    if BF16:
+        h = _rne(h)
+    tl.store(h_ptr + t * I + cols, h.to(h_ptr.dtype.element_ty), mask=ok)
 
 
 # ===== wrapper =====
@@ -225,8 +499,32 @@ def _gemv_args(layout: RowLayout, part: str, n: int, cap: int) -> dict:
                 G_OFF=_offset(layout, part + "_global", 4), BLOCK_R=step, EVEN=even)
 
 
+_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    # [n] int32 zeros for the v2 down kernel, one buffer per size, never freed (a captured graph
+    # keeps its address); every launch leaves it zero
+    key = (device, n)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
+
+
+def _shared_args(x: Tensor, shared: SharedOut | None) -> dict:
+    # the combine's optional inputs: down_s [T, D] and the gate logit column (row stride GL_STRIDE)
+    if shared is None:  # unused pointers (SHARED=False never reads them)
+        return dict(s_ptr=x, gl_ptr=x, GL_STRIDE=0, SHARED=False)
+    down, logit = shared
+    T, D = x.shape
+    assert down.shape == (T, D) and down.is_contiguous() and logit.shape[0] == T
+    assert down.dtype == logit.dtype == x.dtype and down.device == logit.device == x.device
+    return dict(s_ptr=down, gl_ptr=logit, GL_STRIDE=logit.stride(0), SHARED=True)
+
+
 def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
-                          weights: Tensor, tiles: DecodeTiles | None = None) -> Tensor:
+                          weights: Tensor, tiles: DecodeTiles | None = None,
+                          shared: SharedOut | None = None) -> Tensor:
     """sum_k weights[t, k] * expert(slot slots[t, k])(x[t]) for decode; x [T, D] -> [T, D].
 
     Args:
@@ -234,13 +532,17 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
         bank: [S (+1), R] uint8 slot bank on x's device.
         layout: the row layout ('nvfp4' or a dense dtype).
         slots, weights: [T, K] slot ids (int32/int64) and routing weights.
-        tiles: tile sizes; None: `default_tiles(layout)`.
+        tiles: tile sizes and kernel set; None: `default_tiles(layout)`.
+        shared: the shared expert's down output [T, D] and gate logit [T, 1] (x's dtype): the
+            result is then `add_shared(routed, shared)`, in the same kernel as the routed sum.
+    Tolerance against `routed_experts_decode_ref` (its mirror): fp32 summation order only.
     """
     T, D = x.shape
     K, I, R = slots.shape[1], layout.inter, bank.shape[1]
     assert D == layout.hidden and R == layout.nbytes and bank.dtype == torch.uint8
     assert bank.is_contiguous() and slots.shape == weights.shape == (T, K)
     assert x.device == bank.device == slots.device == weights.device
+    assert shared is None or x.dtype in (torch.bfloat16, torch.float32)
     x, slots, weights = x.contiguous(), slots.contiguous(), weights.contiguous()
     # the bank as the weights' element type (NVFP4: int32 words), as bytes, as fp32 (globals)
     w = bank.view(torch.int32 if layout.kind == "nvfp4" else layout.dtype)
@@ -251,23 +553,60 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
     tiles = tiles or default_tiles(layout)
+    assert tiles.variant in VARIANTS, tiles.variant
     n1, n2, n3 = tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
-    _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
+    gate_up = _gemv_args(layout, "gate_up", D, tiles.gate_up_k)
+    down = _gemv_args(layout, "down", I, tiles.down_k)
+    comb = dict(**_shared_args(x, shared), BF16=x.dtype == torch.bfloat16)
+    if tiles.variant == "v1":
+        _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
+            x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1,
+            num_warps=tiles.gate_up_warps, **gate_up)
+        _down_kernel[(T * K, triton.cdiv(D, n2))](
+            h, *banks, slots, y, *strides, D=D, I=I, BLOCK_N=n2, num_warps=tiles.down_warps,
+            **down)
+        _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3,
+                                                 num_warps=4, **comb)
+        return out
+    nb = triton.cdiv(D, n2)
+    asm = tiles.variant == "v3" and not INTERPRET  # v3: v2 with the inline-PTX decode
+    _gate_up_v2_kernel[(T * K, triton.cdiv(I, n1))](
         x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=tiles.gate_up_warps,
-        **_gemv_args(layout, "gate_up", D, tiles.gate_up_k))
-    _down_kernel[(T * K, triton.cdiv(D, n2))](
-        h, *banks, slots, y, *strides, D=D, I=I, BLOCK_N=n2, num_warps=tiles.down_warps,
-        **_gemv_args(layout, "down", I, tiles.down_k))
-    _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3, num_warps=4)
+        ASM=asm, **gate_up)
+    _down_combine_kernel[(T * K, nb)](
+        h, *banks, slots, y, weights, out, _counters(x.device, T * nb),
+        ROW_W=strides[0], ROW_U8=strides[1], ROW_F32=strides[2], D=D, I=I, K=K, BLOCK_N=n2,
+        num_warps=tiles.down_warps, ASM=asm, **down, **comb)
     return out
+
+
+def shared_act_triton(gu: Tensor, inter: int) -> Tensor:
+    """silu(g) * u [T, I] from the shared expert's fused GEMV output gu [T, >= 2I] (gate | up |
+    ...), in gu's dtype (bf16 or fp32) with torch's roundings: bf16 within one ulp of
+    F.silu(g) * u (exp and division ulps), fp32 within a few fp32 ulps."""
+    T, N = gu.shape
+    assert N >= 2 * inter and gu.stride(1) == 1 and gu.dtype in (torch.bfloat16, torch.float32)
+    h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
+    block = min(1024, triton.next_power_of_2(inter))
+    _shared_act_kernel[(T, triton.cdiv(inter, block))](
+        gu, h, gu.stride(0), I=inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16, num_warps=4)
+    return h
 
 
 # ===== torch mirror and dispatcher =====
 
 
+def add_shared(routed: Tensor, shared: SharedOut) -> Tensor:
+    """routed + sigmoid(gate logit) * down_s in the model dtype: the reference's shared-expert
+    output and sum (docs/model.md section 5.1; qwen4_exp.moe_block), the torch form of the fold."""
+    down, logit = shared
+    return routed + torch.sigmoid(logit) * down
+
+
 def routed_experts_decode_ref(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
-                              weights: Tensor) -> Tensor:
-    """The kernels' math in torch: fp32 weights (exact NVFP4 dequant), fp32 h, k ascending."""
+                              weights: Tensor, shared: SharedOut | None = None) -> Tensor:
+    """The kernels' math in torch: fp32 weights (exact NVFP4 dequant), fp32 h, k ascending, one
+    rounding to x's dtype; then `add_shared` when given."""
     T, K = slots.shape
     rows = bank[slots.flatten().long()]  # [T*K, R]
     gate_up, down = expert_weights(rows, layout, torch.float32)  # [T*K, 2I, D], [T*K, D, I]
@@ -277,13 +616,19 @@ def routed_experts_decode_ref(x: Tensor, bank: Tensor, layout: RowLayout, slots:
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
     for k in range(K):
         out += weights[:, k, None].float() * y[:, k]
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    return out if shared is None else add_shared(out, shared)
 
 
 def routed_experts_any(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
-                       weights: Tensor) -> Tensor:
+                       weights: Tensor, shared: SharedOut | None = None) -> Tensor:
     """Routed experts from the slot bank: the Triton kernels on CUDA for decode-sized batches,
-    else the torch path (experts.routed_experts). x [T, D]; slots, ids, weights [T, K]."""
+    else the torch path (experts.routed_experts). x [T, D]; slots, ids, weights [T, K].
+    With `shared` (the shared expert's down output and gate logit) the result includes the
+    gated shared expert: folded into the routed kernels on CUDA, else `add_shared`."""
     if x.is_cuda and HAS_TRITON and x.shape[0] <= DECODE_MAX_TOKENS:
-        return routed_experts_triton(x, bank, layout, slots, weights)
-    return routed_experts(x, bank, layout, slots, ids, weights)
+        if shared is None or x.dtype in (torch.bfloat16, torch.float32):
+            return routed_experts_triton(x, bank, layout, slots, weights, shared=shared)
+        return add_shared(routed_experts_triton(x, bank, layout, slots, weights), shared)
+    out = routed_experts(x, bank, layout, slots, ids, weights)
+    return out if shared is None else add_shared(out, shared)
