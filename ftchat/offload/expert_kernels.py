@@ -69,10 +69,12 @@ def default_tiles(layout: RowLayout) -> DecodeTiles:
     # v1 NVFP4: each thread 4 rows x 4 words, 400 programs per kernel at D=2560, I=640, K=10,
     # T=1; ~5.1 instructions per weight in the loop body (sm_90 SASS), one HBM latency per loop
     # step (the loop is not pipelined), three launches: 34.3 us at bs 1 (docs/performance.md).
-    # v2 / v3 tiles: benchmarks/bench_routed_nvfp4.py sweeps them on the H200 (the lead picks
-    # the default there). Dense rows are plainly memory-bound.
+    # The default is the sweep's best on the H200 (benchmarks/bench_routed_nvfp4.py, 16 layers
+    # per graph, rows beyond L2): v2 at 8 gate_up rows / 2 warps, 64 down rows / 4 warps,
+    # 23.0 us at bs 1 and 34.7 us at bs 2, against v1's 37.3 / 54.3 us in the same process
+    # (docs/performance.md). Dense rows are plainly memory-bound.
     if layout.kind == "nvfp4":
-        return DecodeTiles(16, 512, 4, 64, 128, 2)
+        return DecodeTiles(8, 512, 2, 64, 128, 4, variant="v2")
     return DecodeTiles(16, 128, 4, 32, 128, 4)
 
 
