@@ -396,7 +396,7 @@ def audit_cmd(
 def bench_cmd(
     model: Model = None,
     arms: Annotated[str, typer.Option(
-        metavar="ARMS",
+        "--arms", metavar="ARMS",
         help="Arms separated by ';': resident, off, measure, on[:budget=4,eviction=lru,...]; "
              "fused=0 in an arm runs the torch decode path")]
     = "off;on;on:budget=4",

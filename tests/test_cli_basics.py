@@ -158,3 +158,18 @@ def test_audit_command_takes_the_new_and_the_old_name(tiny_bf16, capsys, monkeyp
         code, out, err = _main([*base, name, "4"], capsys, monkeypatch)
         assert code == 0, err
         assert json.loads(out.splitlines()[-1])["audits"] == 8 // 4 + 1
+
+
+def test_every_option_is_named_after_its_parameter():
+    # typer 0.27 named an option declared by metavar alone after the metavar (`--ARMS`), so
+    # `bench --arms` failed there: every option spells its flag out
+    import typer
+
+    from ftchat.cli import app
+
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():
+        for p in command.params:
+            if p.param_type_name == "option":
+                flag = "--" + p.name.replace("_", "-")
+                assert flag in p.opts, (name, p.name, p.opts)
