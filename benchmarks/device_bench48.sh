@@ -8,9 +8,18 @@ case ${1:-resident} in
   resident) arms="resident;resident:fused=0"; ctx=4k,32k,128k,255k; extra=() ;;
   offload) arms="resident;off;on;on:budget=4"; ctx=32k,255k; extra=(--slots 1650) ;;
 esac
-/usr/bin/time -v python3 -m ftchat.cli bench --synthetic flash-next --layers 48 \
-  --arms "$arms" --context "$ctx" --steps 16 --rounds 3 "${extra[@]}" --json \
-  > "$O/bench48_$1.json" 2> "$O/bench48_$1.err"
+python3 -m ftchat.cli bench --help > "$O/bench_help.txt" 2>&1
+# the bench command's own function, called directly (the same code `ftchat bench` runs)
+/usr/bin/time -v python3 - "$arms" "$ctx" "${extra[@]}" > "$O/bench48_$1.json" 2> "$O/bench48_$1.err" <<'PY'
+import os, sys
+from ftchat.settings import resolve_settings
+from ftchat.ui.debug import Synthetic, bench
+arms, ctx, *rest = sys.argv[1:]
+flags = {"slots": int(rest[1])} if rest else {}
+s = resolve_settings(flags, os.environ)
+sys.exit(bench(None, s, os.environ, arms, ctx, 16, 3, True,
+               synthetic=Synthetic("flash-next", 48, "nvfp4-modelopt")))
+PY
 echo "bench48 $1 rc=$?"; tail -3 "$O/bench48_$1.err"
 python3 - "$O/bench48_$1.json" <<'PY'
 import json, sys
