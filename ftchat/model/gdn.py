@@ -18,7 +18,7 @@ from torch import Tensor
 from ftchat.kernels import use_fused
 from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
 from ftchat.model.config import ModelArgs
-from ftchat.model.layers import gated_rms_norm, l2norm
+from ftchat.model.layers import fuse_layers, fuse_rows, gated_rms_norm, l2norm
 
 CHUNK = 64
 PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
@@ -78,41 +78,12 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
 
 def fuse_gdn_projections(w: dict) -> dict[str, Tensor]:
-    """Concatenate one GDN layer's four input projections into w[FUSED] [N, D] (one GEMV at decode)
-    and replace the four entries of w by row views of it, so the originals can be freed (no
-    memory doubles once no other reference holds them). Only for dense 2-D float weights on one
-    device and dtype; returns the replaced entries (empty when nothing was fused)."""
-    parts = [w.get(n) for n in PROJECTIONS]
-    if FUSED in w or not all(_dense_2d(p) for p in parts):
-        return {}
-    if len({(p.device, p.dtype, p.shape[1]) for p in parts}) != 1:
-        return {}
-    fused = torch.cat(parts)  # [N, D]
-    views, row = {}, 0
-    for name, p in zip(PROJECTIONS, parts):
-        views[name] = fused[row : row + p.shape[0]]
-        row += p.shape[0]
-    w.update(views)
-    w[FUSED] = fused
-    return views
+    """The four input projections as one weight w[FUSED] (row views; layers.fuse_rows)."""
+    return fuse_rows(w, PROJECTIONS, FUSED)
 
 
 def fuse_gdn_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
-    """fuse_gdn_projections on every layer's `linear_attn` dict (Weights does this at load), with
-    the same views put into the flat checkpoint-name dict, so nothing holds the originals. On CUDA
-    their blocks go back to the driver after each layer (the allocator cannot reuse them for the
-    larger fused tensor): the expert slots are sized from free VRAM, and the peak stays one
-    layer's projections."""
-    for i, lw in enumerate(layers):
-        views = fuse_gdn_projections(lw.get("linear_attn", {}))
-        for name, view in views.items():
-            tensors[f"layers.{i}.linear_attn.{name}"] = view
-        if views and views[PROJECTIONS[0]].is_cuda:
-            torch.cuda.empty_cache()
-
-
-def _dense_2d(t) -> bool:
-    return type(t) is Tensor and t.dim() == 2 and t.is_floating_point() and t.is_contiguous()
+    fuse_layers(tensors, layers, "linear_attn", PROJECTIONS, FUSED)
 
 
 def gdn_mixer(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:

@@ -55,40 +55,51 @@ def shared_expert_ref(x: Tensor, w: dict) -> Tensor:
     return torch.sigmoid(F.linear(x, w["shared_expert_gate.weight"])) * s
 
 
-def fuse_moe_projections(w: dict) -> dict[str, Tensor]:
-    """Concatenate one MoE block's shared-expert gate, up and gate-logit weights into
-    w[SHARED_FUSED] [2I + 1, D] (one GEMV at decode) and replace the three entries of w by row
-    views of it, so the originals can be freed (no memory doubles once nothing else holds them).
-    Only for dense 2-D float weights on one device and dtype with gate and up alike and a
-    one-row gate; returns the replaced entries (empty when nothing was fused)."""
-    parts = [w.get(n) for n in SHARED_PROJECTIONS]
-    if SHARED_FUSED in w or not all(_dense_2d(p) for p in parts):
+def fuse_rows(w: dict, names: tuple[str, ...], fused_name: str) -> dict[str, Tensor]:
+    """Concatenate the 2-D weights w[names] (sharing an input) into w[fused_name] [N, D], for
+    one GEMV at decode, and replace each entry by its row view, so the originals can be freed
+    (no memory doubles once nothing else holds them). Only for dense float weights of one
+    device, dtype and input width; returns the replaced entries (empty when nothing fused)."""
+    parts = [w.get(n) for n in names]
+    if fused_name in w or not all(_dense_2d(p) for p in parts):
         return {}
     if len({(p.device, p.dtype, p.shape[1]) for p in parts}) != 1:
         return {}
-    if parts[0].shape != parts[1].shape or parts[2].shape[0] != 1:
-        return {}
-    fused = torch.cat(parts)  # [2I + 1, D]
+    fused = torch.cat(parts)  # [N, D]
     views, row = {}, 0
-    for name, p in zip(SHARED_PROJECTIONS, parts):
+    for name, p in zip(names, parts):
         views[name] = fused[row : row + p.shape[0]]
         row += p.shape[0]
     w.update(views)
-    w[SHARED_FUSED] = fused
+    w[fused_name] = fused
     return views
 
 
-def fuse_moe_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
-    """fuse_moe_projections on every layer's `mlp` dict (Weights does this at load), with the
-    same views put into the flat checkpoint-name dict, so nothing holds the originals. On CUDA
-    their blocks go back to the driver after each layer (as for the GDN projections: the expert
-    slots are sized from free VRAM)."""
+def fuse_layers(tensors: dict[str, Tensor], layers: list[dict], block: str,
+                names: tuple[str, ...], fused_name: str) -> None:
+    """fuse_rows on every layer's `block` dict (Weights does this at load), with the same views
+    in the flat checkpoint-name dict, so nothing holds the originals. On CUDA their blocks go
+    back to the driver after each layer: the expert slots are sized from free VRAM."""
     for i, lw in enumerate(layers):
-        views = fuse_moe_projections(lw.get("mlp", {}))
+        views = fuse_rows(lw.get(block, {}), names, fused_name)
         for name, view in views.items():
-            tensors[f"layers.{i}.mlp.{name}"] = view
-        if views and views[SHARED_PROJECTIONS[0]].is_cuda:
+            tensors[f"layers.{i}.{block}.{name}"] = view
+        if views and views[names[0]].is_cuda:
             torch.cuda.empty_cache()
+
+
+def fuse_moe_projections(w: dict) -> dict[str, Tensor]:
+    """The shared expert's gate, up and gate-logit weights as one [2I + 1, D] weight
+    (w[SHARED_FUSED]); only with gate and up alike and a one-row gate."""
+    parts = [w.get(n) for n in SHARED_PROJECTIONS]
+    if all(isinstance(p, Tensor) and p.dim() == 2 for p in parts) and (
+            parts[0].shape != parts[1].shape or parts[2].shape[0] != 1):
+        return {}
+    return fuse_rows(w, SHARED_PROJECTIONS, SHARED_FUSED)
+
+
+def fuse_moe_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
+    fuse_layers(tensors, layers, "mlp", SHARED_PROJECTIONS, SHARED_FUSED)
 
 
 def _dense_2d(t) -> bool:

@@ -1,7 +1,8 @@
 """Gated GQA attention with the QSA block indexer (docs/model.md section 4).
 
 Legend: B batch, T query tokens, L cached kv length, Hq/Hkv query/kv heads, hd head dim,
-Hi index heads, di index head dim, r compress ratio, N blocks, K chosen blocks, S selected tokens.
+Hi index heads, di index head dim, r compress ratio, N blocks, K chosen blocks, S selected tokens,
+NP fused projection width (Hq*2hd + 2*Hkv*hd + (Hi+1)*di).
 Ties between equal block scores (exact 0.0 is common: sums of ReLUs) go to the lowest block index.
 
 Prefill (T > 1) builds the dense [B, T, L] selection mask (`select_tokens`, also the reference).
@@ -9,6 +10,12 @@ Decode (T == 1) is O(budget): block scores from the cached compressed keys k̄ (
 written once per block when its last token arrives), a fixed-size top-k and a gather of at most
 budget + r - 1 tokens. Its shapes depend on kv_len only, never on the data, so it can be
 captured in a CUDA graph (there kv_len is the whole capacity and the positions live on the device).
+
+`attention_mixer_ref` is the torch path (CPU, prefill) and the reference. A CUDA decode step runs
+`attention_decode_fused`: one GEMV on the load-time concatenation of the four input projections
+(`fuse_qsa_projections`), then ftchat/kernels/qsa_decode.py (norms, RoPE and the cache writes in
+one kernel; block scores and ranking keys in one; torch.topk; split attention and the gated
+combine in two), then o_proj.
 """
 
 from __future__ import annotations
@@ -19,8 +26,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ftchat.kernels import use_fused
+from ftchat.kernels.qsa_decode import (QsaDims, qsa_attention, qsa_decode_supported, qsa_prep,
+                                       qsa_rank_keys)
 from ftchat.model.config import ModelArgs
-from ftchat.model.layers import apply_rope, rms_norm, rope_cos_sin
+from ftchat.model.layers import apply_rope, fuse_layers, fuse_rows, rms_norm, rope_cos_sin
 
 
 def block_keys(raw: Tensor, start: Tensor, w: dict, a: ModelArgs) -> Tensor:
@@ -159,34 +169,123 @@ def sparse_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: in
     return attend(q, keys, vals, ok[:, None], a)
 
 
+# The fused decode has passed its tests under the Triton interpreter only: it is off until
+# tests/gpu/test_qsa_decode_gpu.py has passed on the device (the GPU tests switch it on).
+FUSED_DECODE = False
+
+
 def attention_mixer(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int, a: ModelArgs) -> Tensor:
-    """x [B, T, D] at positions pos [B, T]; appends to cache['k'|'v'|'ik'] [B, Lmax, ...] and
-    cache['kbar'] [B, Lmax // r, di] (blocks it completes).
+    """x [B, T, D] at positions pos [B, T] -> [B, T, D]; appends to cache['k'|'v'|'ik']
+    [B, Lmax, ...] and cache['kbar'] [B, Lmax // r, di] (blocks it completes).
 
     Attends over the first kv_len cache entries (every query's own position is < kv_len):
-    dense for T > 1, sparse for T == 1.
-    """
-    B, T, _ = x.shape
+    dense for T > 1, sparse for T == 1. A CUDA decode step runs `attention_decode_fused`; the CPU,
+    prefill and unsupported geometries `attention_mixer_ref`."""
+    if (FUSED_DECODE and x.shape[1] == 1 and use_fused(x)
+            and qsa_decode_supported(qsa_dims(a), x.dtype, x.shape[0])):
+        return attention_decode_fused(x, w, cache, pos, kv_len, a)
+    return attention_mixer_ref(x, w, cache, pos, kv_len, a)
+
+
+# ===== fused decode (CUDA, T == 1) =====
+
+
+def qsa_dims(a: ModelArgs) -> QsaDims:
+    return QsaDims(a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.indexer_n_heads,
+                   a.indexer_head_dim, a.rotary_dim, a.indexer_compress_ratio)
+
+
+def fused_projection(x: Tensor, w: dict) -> Tensor:
+    """proj [B, NP] = [q|gate | k | v | index q|k] of x [B, D]: one GEMV on w[FUSED] when the
+    load fused the four weights (`fuse_qsa_projections`), else four."""
+    if FUSED in w:
+        return F.linear(x, w[FUSED])
+    return torch.cat([F.linear(x, w[n]) for n in PROJECTIONS], dim=-1)
+
+
+def select_blocks_fused(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelArgs
+                        ) -> tuple[Tensor, Tensor]:
+    """(block indices [B, K], ranking keys [B, K]; a key < 0 marks no block) of `select_blocks`:
+    scores and keys in one kernel, the same torch.topk over the same keys (unsorted: the attention
+    does not care about the order). iq [B, Hi, di]; kbar [B, Nmax, di]; pos [B, 1]."""
+    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+    N = min(kv_len // r, kbar.shape[1])
+    keys = qsa_rank_keys(iq, kbar, pos, N, r)  # [B, N]
+    best = torch.topk(keys, min(top, N), dim=-1, sorted=False)
+    return best.indices, best.values
+
+
+def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,
+                           a: ModelArgs) -> Tensor:
+    """One decode step x [B, 1, D] -> [B, 1, D] (docs/model.md 4.5): the fused projection GEMV,
+    norms + RoPE + cache and k̄ writes (one kernel), block keys + torch.topk, split attention and
+    the gated combine (two kernels), o_proj. Static shapes (kv_len only), no host sync."""
+    dims = qsa_dims(a)
+    proj = fused_projection(x[:, 0], w)  # [B, NP]
+    norms = tuple(w[n] for n in ("q_norm.weight", "k_norm.weight", "indexer.q_layernorm.weight",
+                                 "indexer.k_layernorm.weight"))
+    q, iq = qsa_prep(proj, pos, cache, norms, dims, a.rms_norm_eps, a.rope_theta)
+    blocks, keys = select_blocks_fused(iq, cache["kbar"], pos, kv_len, a)
+    hd = a.head_dim
+    gate = proj[:, : dims.heads * 2 * hd].unflatten(-1, (dims.heads, 2 * hd))[..., hd:]  # [B, Hq, hd]
+    o = qsa_attention(q, gate, cache["k"], cache["v"], pos, dims, blocks=blocks, block_keys=keys)
+    return F.linear(o, w["o_proj.weight"])[:, None]
+
+
+# ===== torch path and reference =====
+
+
+def attention_inputs_ref(qg: Tensor, k: Tensor, v: Tensor, iqk: Tensor, w: dict, cache: dict,
+                         pos: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor, Tensor]:
+    """The work between the projections and the attention, in torch: qg [B, T, Hq*2hd],
+    k, v [B, T, Hkv*hd], iqk [B, T, (Hi+1)*di] -> q [B, T, Hq, hd], gate [B, T, Hq*hd],
+    iq [B, T, Hi, di] (normed, roped); k, v, the raw ik and k̄ written to the cache at pos."""
+    B, T, _ = qg.shape
     Hq, Hkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
     Hi, di = a.indexer_n_heads, a.indexer_head_dim
     eps = a.rms_norm_eps
-    qg = F.linear(x, w["q_proj.weight"]).unflatten(-1, (Hq, 2 * hd))  # [B, T, Hq, 2hd]
+    qg = qg.unflatten(-1, (Hq, 2 * hd))  # [B, T, Hq, 2hd]
     q, gate = qg[..., :hd], qg[..., hd:].flatten(-2)
     q = rms_norm(q, w["q_norm.weight"], eps)
-    k = rms_norm(F.linear(x, w["k_proj.weight"]).unflatten(-1, (Hkv, hd)), w["k_norm.weight"], eps)
-    v = F.linear(x, w["v_proj.weight"]).unflatten(-1, (Hkv, hd))
-    cos, sin = rope_cos_sin(pos, a.rotary_dim, a.rope_theta, x.dtype)  # [B, T, rd]
+    k = rms_norm(k.unflatten(-1, (Hkv, hd)), w["k_norm.weight"], eps)
+    v = v.unflatten(-1, (Hkv, hd))
+    cos, sin = rope_cos_sin(pos, a.rotary_dim, a.rope_theta, qg.dtype)  # [B, T, rd]
     q = apply_rope(q, cos[:, :, None], sin[:, :, None])
     k = apply_rope(k, cos[:, :, None], sin[:, :, None])
-    iqk = F.linear(x, w["indexer.index_qk_proj.weight"])  # [B, T, (Hi+1)*di]
     iq = rms_norm(iqk[..., : Hi * di].unflatten(-1, (Hi, di)), w["indexer.q_layernorm.weight"], eps)
     iq = apply_rope(iq, cos[:, :, None], sin[:, :, None])
-    rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
+    rows = torch.arange(B, device=qg.device)[:, None].expand(B, T)
     cache["k"][rows, pos] = k
     cache["v"][rows, pos] = v
     cache["ik"][rows, pos] = iqk[..., Hi * di :]
     write_block_keys(cache, pos, w, a)
+    return q, gate, iq
 
+
+def attention_mixer_ref(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,
+                        a: ModelArgs) -> Tensor:
+    """`attention_mixer` in torch (CPU, prefill; the reference of the fused decode)."""
+    T = x.shape[1]
+    qg = F.linear(x, w["q_proj.weight"])  # [B, T, Hq*2hd]
+    k = F.linear(x, w["k_proj.weight"])
+    v = F.linear(x, w["v_proj.weight"])
+    iqk = F.linear(x, w["indexer.index_qk_proj.weight"])  # [B, T, (Hi+1)*di]
+    q, gate, iq = attention_inputs_ref(qg, k, v, iqk, w, cache, pos, a)
     mix = sparse_attention if T == 1 else dense_attention
     o = mix(q, iq, cache, pos, kv_len, w, a)  # [B, T, Hq*hd]
     return F.linear(o * torch.sigmoid(gate), w["o_proj.weight"])
+
+
+# ===== load-time fusion of the input projections =====
+
+PROJECTIONS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "indexer.index_qk_proj.weight")
+FUSED = "qkv_index_fused.weight"  # [NP, D]; the four PROJECTIONS entries are row views of it
+
+
+def fuse_qsa_projections(w: dict) -> dict[str, Tensor]:
+    """The four input projections as one weight w[FUSED] (row views; layers.fuse_rows)."""
+    return fuse_rows(w, PROJECTIONS, FUSED)
+
+
+def fuse_qsa_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
+    fuse_layers(tensors, layers, "self_attn", PROJECTIONS, FUSED)

@@ -17,7 +17,7 @@ from ftchat.model.expert_backend import ExpertBackend, SharedOut
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import SHARED_FUSED, fuse_moe_layers, rms_norm, shared_expert_ref
 from ftchat.model.ple import ple_layer
-from ftchat.model.qsa import attention_mixer
+from ftchat.model.qsa import attention_mixer, fuse_qsa_layers
 from ftchat.model.state import DecodeState
 from ftchat.offload import expert_kernels as ek
 
@@ -36,6 +36,7 @@ class Weights:
         self.final_mixer = _sub(tensors, "hyper_connection_mixer.")
         fuse_gdn_layers(tensors, self.layers)  # GDN decode: one GEMV on [qkv | z | b | a]
         fuse_moe_layers(tensors, self.layers)  # shared expert: one GEMV on [gate | up | gate logit]
+        fuse_qsa_layers(tensors, self.layers)  # QSA decode: one GEMV on [q|gate | k | v | index]
 
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]

@@ -1,0 +1,508 @@
+"""QSA attention decode (T == 1) after the fused input projection: four Triton kernels and
+torch.topk, then the o_proj GEMV (docs/model.md sections 4.1, 4.2, 4.4, 4.5, numerics 10).
+
+  1. `_prep_kernel`, grid (B, Hq + Hkv + Hi + 1): per head, the zero-centred RMSNorm (section 2)
+     and the partial NeoX RoPE at the row's position of q, k and the index queries; writes k and
+     v into the KV cache and the raw index key into cache['ik'] at the position; the last program
+     also writes k̄ of the block the token completes ((p + 1) % r == 0) into cache['kbar'].
+  2. `_rank_kernel`, grid (B, cdiv(N, BLOCK)): block scores sum_h ReLU(<iq_h, k̄_b>) / sqrt(di)
+     in fp32 and the tie-free int64 ranking key of `qsa.rank_key` in one pass over k̄.
+     torch.topk(keys, K) picks the blocks (unchanged rule: ties to the lowest block index,
+     incomplete blocks never before a complete one, see docs/model.md 4.3 and 4.5).
+  3. `_split_kernel`, grid (B * Hkv, splits): FlashDecoding over the S = K*r + r - 1 selected
+     slots. The token index of each slot comes from the top-k blocks and the open tail (or from
+     an explicit [B, S] list); every K/V row is loaded once per kv head and serves its Hq/Hkv
+     query heads (one [GP, hd] x [hd, BLOCK_N] product). Online softmax in fp32 per split ->
+     unnormalised partial o, running max m and sum l.
+  4. `_combine_kernel`, grid (B * Hq,): o = sum_j e^(m_j - M) o_j / sum_j e^(m_j - M) l_j, rounded,
+     times sigmoid(gate), rounded -> [B, Hq*hd] for o_proj.
+
+Numerics: every value the torch path (`qsa.attention_mixer_ref`) rounds to the model dtype is
+rounded here at the same point (bit arithmetic to nearest even, as the GPU's cast and unlike the
+interpreter's): the norm outputs, cos and sin, each RoPE product and sum, the pooled block key,
+the attention scores q.k (then times 1/sqrt(hd), rounded again), o and sigmoid(gate) and their
+product. Statistics, block scores, softmax and the P.V accumulation are fp32 (both matrix
+products in IEEE fp32 from model-dtype inputs: exact products, fp32 sums). The differences left:
+summation orders, the rsqrt/exp/cos/sin implementations, and that the torch path rounds the
+normalised probabilities to the model dtype before P.V while this path keeps them in fp32.
+Tolerances (tests/gpu/test_qsa_decode_gpu.py): fp32 1e-5 relative (measured ~1e-7); bf16 q, k,
+iq, k̄ within 4 bf16 ulps (measured: identical on CPU); the bf16 attention output within 8 ulps
+of max(|ref|, rms of its row) (measured <= 3): the torch path's rounding of every probability
+(2^-9 relative, random) sums to an error of the row's typical size, not of each element's.
+The block scores agree to fp32 rounding, so the chosen blocks are the same except at a score
+near-tie (within that rounding), where either choice is as good as the scores can tell.
+Launched with `enable_fp_fusion=False` so no a*b + c becomes an FMA that torch does not do.
+
+Legend: B rows, Hq/Hkv query/kv heads, G = Hq/Hkv, GP = G padded (>= 16 for the product), hd head
+dim, Hi index heads, di index dim, rd rotary dims, r compress ratio, N candidate blocks, K chosen
+blocks, S = K*r + r - 1 selected slots, NP fused projection width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor
+
+from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels.hyper import _rnd
+
+QSA_MAX_ROWS = 8  # decode batches; more rows keep the torch path
+SMS = 132  # H200 SMs: the split count aims at about two programs per SM
+
+
+@dataclass(frozen=True)
+class QsaDims:
+    """Attention geometry of one layer (docs/model.md 4)."""
+
+    heads: int  # Hq
+    kv_heads: int  # Hkv
+    head_dim: int  # hd
+    index_heads: int  # Hi
+    index_dim: int  # di
+    rotary_dim: int  # rd
+    ratio: int  # r
+
+    @property
+    def proj_width(self) -> int:
+        """NP: [q|gate per head (Hq*2hd) | k (Hkv*hd) | v (Hkv*hd) | index q (Hi*di) | ik (di)]."""
+        return (2 * self.heads + 2 * self.kv_heads) * self.head_dim + (self.index_heads + 1) * self.index_dim
+
+
+def qsa_decode_supported(dims: QsaDims, dtype: torch.dtype, rows: int) -> bool:
+    """Power-of-two head dims, rd even and within both, Hkv divides Hq, bf16/fp32, <= 8 rows."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0  # noqa: E731
+    return (pow2(dims.head_dim) and pow2(dims.index_dim) and dims.rotary_dim % 2 == 0
+            and 0 < dims.rotary_dim <= min(dims.head_dim, dims.index_dim)
+            and dims.heads % dims.kv_heads == 0 and dims.ratio >= 1
+            and dtype in (torch.bfloat16, torch.float32) and 0 < rows <= QSA_MAX_ROWS)
+
+
+# ===== device helpers =====
+
+
+@_jit
+def _partner(d, RD: tl.constexpr):
+    # rotate-half partner of dim d: d +- rd/2 inside the rotated part, d itself outside
+    HALF: tl.constexpr = RD // 2
+    return tl.where(d < HALF, d + HALF, tl.where(d < RD, d - HALF, d))
+
+
+@_jit
+def _rope(y, yp, d, invf_ptr, posf, RD: tl.constexpr, BF16: tl.constexpr):
+    # apply_rope on y (fp32 holding model-dtype values) with yp = y at the partner dims:
+    # round(round(y cos) + round(+-yp sin)) on the first rd dims, cos/sin of pos * inv_freq
+    # (fp32) rounded to the model dtype as rope_cos_sin
+    HALF: tl.constexpr = RD // 2
+    rot = d < RD
+    ang = posf * tl.load(invf_ptr + d % HALF, mask=rot, other=0.0)
+    c = _rnd(tl.cos(ang), BF16)
+    s = _rnd(tl.sin(ang), BF16)
+    other = tl.where(d < HALF, -yp, yp)
+    out = _rnd(_rnd(y * c, BF16) + _rnd(other * s, BF16), BF16)
+    return tl.where(rot, out, y)
+
+
+@_jit
+def _norm_rope(x, xp, w_ptr, d, pd, invf_ptr, posf, EPS, D: tl.constexpr, RD: tl.constexpr,
+               BF16: tl.constexpr):
+    # rms_norm (x * rsqrt(mean x^2 + eps) * (1 + w), fp32, one rounding) of the head x [D] (fp32
+    # holding model-dtype values), evaluated at d and at the partner dims pd, then the RoPE
+    rs = tl.rsqrt(tl.sum(x * x, axis=0) / D + EPS)
+    y = _rnd(x * rs * (1.0 + tl.load(w_ptr + d).to(tl.float32)), BF16)
+    yp = _rnd(xp * rs * (1.0 + tl.load(w_ptr + pd).to(tl.float32)), BF16)
+    return _rope(y, yp, d, invf_ptr, posf, RD, BF16)
+
+
+@_jit
+def _pooled(ik_row, raw_src, start, d, IK_SL, R: tl.constexpr, BF16: tl.constexpr):
+    # mean_fp32 of the block's r raw keys at dims d, rounded: r - 1 from the cache, the last
+    # (this token's) from the projection; summed in position order as torch's mean over r
+    acc = tl.zeros(d.shape, dtype=tl.float32)
+    for i in tl.static_range(R - 1):
+        acc += tl.load(ik_row + (start + i) * IK_SL + d).to(tl.float32)
+    acc += tl.load(raw_src + d).to(tl.float32)
+    return _rnd(acc * (1.0 / R), BF16)
+
+
+@_jit
+def _head_to(dst, src, w_ptr, invf_ptr, posf, EPS, D: tl.constexpr, RD: tl.constexpr,
+             BF16: tl.constexpr):
+    # dst[:D] = RoPE(RMSNorm(src[:D])): one query, key or index-query head
+    d = tl.arange(0, D)
+    pd = _partner(d, RD)
+    x = tl.load(src + d).to(tl.float32)
+    xp = tl.load(src + pd).to(tl.float32)
+    y = _norm_rope(x, xp, w_ptr, d, pd, invf_ptr, posf, EPS, D, RD, BF16)
+    tl.store(dst + d, y.to(dst.dtype.element_ty))
+
+
+@_jit
+def _index_key(src, ik_row, kbar_row, ikn_ptr, invf_ptr, p, IK_SL, KB_SN, NMAX, EPS,
+               DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr):
+    # the raw index key into ik[p]; when the token completes block p // r, its k̄ into kbar
+    d = tl.arange(0, DI)
+    tl.store(ik_row + p * IK_SL + d, tl.load(src + d))
+    blk = p // R
+    if ((p + 1) % R == 0) & (blk < NMAX):
+        start = blk * R
+        pd = _partner(d, RD)
+        x = _pooled(ik_row, src, start, d, IK_SL, R, BF16)
+        xp = _pooled(ik_row, src, start, pd, IK_SL, R, BF16)
+        y = _norm_rope(x, xp, ikn_ptr, d, pd, invf_ptr, start.to(tl.float32), EPS, DI, RD, BF16)
+        tl.store(kbar_row + blk * KB_SN + d, y.to(kbar_row.dtype.element_ty))
+
+
+# ===== kernels =====
+
+
+@_jit(do_not_specialize=["NMAX"])
+def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, q_ptr, iq_ptr,
+                 k_ptr, v_ptr, ik_ptr, kbar_ptr, PROJ_SB, POS_SB, K_SB, K_SL, V_SB, V_SL, IK_SB,
+                 IK_SL, KB_SB, KB_SN, NMAX, EPS, HQ: tl.constexpr, HKV: tl.constexpr,
+                 HD: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, RD: tl.constexpr,
+                 R: tl.constexpr, BF16: tl.constexpr):
+    """Grid (B, Hq + Hkv + Hi + 1). proj [B, NP] -> q [B, Hq, hd], iq [B, Hi, di]; writes
+    k, v [B, L, Hkv, hd] and ik [B, L, di] at p = pos[b], kbar [B, NMAX, di] at p // r when the
+    token completes its block. Program j: j < Hq query head j; then kv head j - Hq (k normed and
+    roped, v copied); then index query head; the last: raw index key and k̄. Exact but for the
+    fp32 statistic's summation order and the rsqrt/cos/sin implementations."""
+    b = tl.program_id(0)
+    j = tl.program_id(1)
+    K_OFF: tl.constexpr = HQ * 2 * HD
+    V_OFF: tl.constexpr = K_OFF + HKV * HD
+    IQ_OFF: tl.constexpr = V_OFF + HKV * HD
+    IK_OFF: tl.constexpr = IQ_OFF + HI * DI
+    b64 = b.to(tl.int64)
+    proj = proj_ptr + b64 * PROJ_SB
+    p = tl.load(pos_ptr + b * POS_SB).to(tl.int64)
+    posf = p.to(tl.float32)
+    if j < HQ:  # (the branches only store: Triton joins no values of different shapes)
+        _head_to(q_ptr + (b * HQ + j) * HD, proj + j * 2 * HD, qn_ptr, invf_ptr, posf, EPS, HD,
+                 RD, BF16)
+    elif j < HQ + HKV:
+        g = j - HQ
+        _head_to(k_ptr + b64 * K_SB + p * K_SL + g * HD, proj + K_OFF + g * HD, kn_ptr, invf_ptr,
+                 posf, EPS, HD, RD, BF16)
+        dv = tl.arange(0, HD)
+        tl.store(v_ptr + b64 * V_SB + p * V_SL + g * HD + dv, tl.load(proj + V_OFF + g * HD + dv))
+    elif j < HQ + HKV + HI:
+        h = j - HQ - HKV
+        _head_to(iq_ptr + (b * HI + h) * DI, proj + IQ_OFF + h * DI, iqn_ptr, invf_ptr, posf,
+                 EPS, DI, RD, BF16)
+    else:
+        _index_key(proj + IK_OFF, ik_ptr + b64 * IK_SB, kbar_ptr + b64 * KB_SB, ikn_ptr, invf_ptr,
+                   p, IK_SL, KB_SN, NMAX, EPS, DI, RD, R, BF16)
+
+
+@_jit(do_not_specialize=["N"])
+def _rank_kernel(iq_ptr, kbar_ptr, pos_ptr, key_ptr, KB_SB, KB_SN, POS_SB, N, SCALE,
+                 HI: tl.constexpr, DI: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (B, cdiv(N, BLOCK)); iq [B, Hi, di], kbar [B, >= N, di] -> key [B, N] int64:
+    s_n = sum_h max(<iq_h, k̄_n>, 0) * (1/sqrt(di)) in fp32 (exact products of model-dtype
+    values; the dot and head sums in another order than torch's), key = bits(s) << 32 | (N-1-n)
+    for complete blocks ((n + 1) r <= p + 1), -1 otherwise (their k̄ is not read)."""
+    b = tl.program_id(0)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    d = tl.arange(0, DI)
+    p = tl.load(pos_ptr + b * POS_SB).to(tl.int64)
+    complete = (n < N) & ((n + 1) * R <= p + 1)
+    kb = tl.load(kbar_ptr + b.to(tl.int64) * KB_SB + n[:, None].to(tl.int64) * KB_SN + d[None, :],
+                 mask=complete[:, None], other=0.0).to(tl.float32)  # [BLOCK, di]
+    s = tl.zeros([BLOCK], dtype=tl.float32)
+    for h in tl.static_range(HI):
+        qh = tl.load(iq_ptr + (b * HI + h) * DI + d).to(tl.float32)
+        s += tl.maximum(tl.sum(kb * qh[None, :], axis=1), 0.0)
+    s = s * SCALE
+    bits = tl.where(s > 0, s, 0.0).to(tl.int32, bitcast=True).to(tl.int64)  # -0.0 -> +0.0
+    key = tl.where(complete, (bits << 32) | (N - 1 - n).to(tl.int64), -1)
+    tl.store(key_ptr + b * N + n, key, mask=n < N)
+
+
+@_jit
+def _slots(sel_row, selv_row, slot, S, KR, tail0, p, R: tl.constexpr, BLOCKS_MODE: tl.constexpr):
+    # token index [BLOCK_N] int64 and validity of the selected slots `slot`. Blocks mode: slot
+    # < K*r is token slot % r of top-k block slot // r (valid if its key >= 0), then the open
+    # tail r*floor((p+1)/r) + i (tail0 + slot), valid when <= p (select_blocks' set). Else an
+    # explicit [B, S] list.
+    in_range = slot < S
+    if BLOCKS_MODE:
+        in_blk = slot < KR  # KR <= S
+        blk = tl.load(sel_row + slot // R, mask=in_blk, other=0).to(tl.int64)
+        key = tl.load(selv_row + slot // R, mask=in_blk, other=-1)
+        tail = tail0 + slot
+        idx = tl.where(in_blk, blk * R + slot % R, tail)
+        ok = tl.where(in_blk, key >= 0, (tail <= p) & in_range)
+    else:
+        idx = tl.load(sel_row + slot, mask=in_range, other=0).to(tl.int64)
+        ok = (tl.load(selv_row + slot, mask=in_range, other=0) != 0) & in_range
+    return idx, ok
+
+
+@_jit
+def _dot(a, b, TC: tl.constexpr):
+    # a [M, K] . b [K, N] in fp32: on tensor cores from bf16 operands (exact products, fp32
+    # accumulation), else IEEE fp32 FMAs (fp32 models; the interpreter, whose bf16 dot is wrong)
+    if TC:
+        c = tl.dot(a, b)
+    else:
+        c = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return c
+
+
+@_jit
+def _pv(pr, vt, TC: tl.constexpr, BF16: tl.constexpr):
+    # P.V [GP, hd] fp32 of fp32 probabilities: in a bf16 model as hi + lo bf16 halves (two bf16
+    # products, ~2^-16 relative: fp32 probabilities in effect, on tensor cores), else fp32
+    if BF16:
+        hi = pr.to(tl.bfloat16)
+        lo = (pr - hi.to(tl.float32)).to(tl.bfloat16)
+        c = _dot(hi, vt, TC) + _dot(lo, vt, TC)
+    else:
+        c = _dot(pr, vt, TC)
+    return c
+
+
+@_jit(do_not_specialize=["SEL_SB", "S", "K", "NSPLIT", "TILES"])
+def _split_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, selv_ptr, pos_ptr, part_ptr, ml_ptr, K_SB, K_SL,
+                  V_SB, V_SL, SEL_SB, POS_SB, S, K, NSPLIT, TILES, SCALE, HQ: tl.constexpr,
+                  HKV: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, GP: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCKS_MODE: tl.constexpr, BF16: tl.constexpr,
+                  TC: tl.constexpr):
+    """Grid (B * Hkv, NSPLIT); split j covers slots [j, j + 1) * TILES * BLOCK_N. q [B, Hq, hd];
+    k, v [B, L, Hkv, hd] caches -> part [B, Hq, NSPLIT, hd] fp32 (unnormalised o), ml [B, Hq,
+    NSPLIT, 2] fp32 (running max m, sum l). Per tile: gather BLOCK_N K rows of the slots (masked:
+    an invalid slot is never read), scores = q.K^T for the G query heads at once (IEEE fp32),
+    rounded as torch's model-dtype product then times 1/sqrt(hd); online softmax (fp32), P.V
+    accumulated in fp32 (TC: both products on tensor cores, bf16 models on CUDA). A split with
+    no valid slot leaves m = -inf, l = 0, o = 0. With the
+    combine: the torch path's attention but for fp32 probabilities and summation order
+    (tolerance: module docstring)."""
+    bg = tl.program_id(0)
+    j = tl.program_id(1)
+    b = bg // HKV
+    g = bg % HKV
+    G: tl.constexpr = HQ // HKV
+    hr = tl.arange(0, GP)
+    h_ok = hr < G
+    heads = g * G + hr
+    d = tl.arange(0, HD)
+    q = tl.load(q_ptr + (b * HQ + heads)[:, None] * HD + d[None, :], mask=h_ok[:, None],
+                other=0.0)  # [GP, hd]
+    p = tl.load(pos_ptr + b * POS_SB).to(tl.int64)
+    kb = k_ptr + b.to(tl.int64) * K_SB + g * HD
+    vb = v_ptr + b.to(tl.int64) * V_SB + g * HD
+    sel_row = sel_ptr + b * SEL_SB
+    selv_row = selv_ptr + b * SEL_SB
+    tail0 = (p + 1) // R * R - K * R
+    m = tl.full([GP], float("-inf"), tl.float32)
+    l = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, HD], dtype=tl.float32)
+    for t in range(TILES):
+        slot = (j * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        idx, ok = _slots(sel_row, selv_row, slot, S, K * R, tail0, p, R, BLOCKS_MODE)
+        kt = tl.load(kb + idx[:, None] * K_SL + d[None, :], mask=ok[:, None], other=0.0)
+        sc = _dot(q, tl.trans(kt), TC)  # [GP, BLOCK_N]
+        if BF16:
+            sc = _rnd(_rnd(sc, BF16) * SCALE, BF16)
+        else:
+            sc = sc * SCALE
+        sc = tl.where(ok[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid slot yet: no NaN
+        alpha = tl.exp(m - m_use)
+        pr = tl.exp(sc - m_use[:, None])  # 0 at invalid slots
+        l = l * alpha + tl.sum(pr, axis=1)
+        vt = tl.load(vb + idx[:, None] * V_SL + d[None, :], mask=ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _pv(pr, vt, TC, BF16)
+        m = m_new
+    row = (b * HQ + heads) * NSPLIT + j  # [GP]
+    tl.store(part_ptr + row[:, None] * HD + d[None, :], acc, mask=h_ok[:, None])
+    tl.store(ml_ptr + row * 2, m, mask=h_ok)
+    tl.store(ml_ptr + row * 2 + 1, l, mask=h_ok)
+
+
+@_jit(do_not_specialize=["NSPLIT"])
+def _combine_kernel(part_ptr, ml_ptr, gate_ptr, out_ptr, G_SB, G_SH, NSPLIT, HQ: tl.constexpr,
+                    HD: tl.constexpr, CH: tl.constexpr, BF16: tl.constexpr):
+    """Grid (B * Hq,); part, ml of the splits, gate [B, Hq, hd] (strided) -> out [B, Hq*hd]:
+    M = max_j m_j, o = sum_j e^(m_j - M) o_j / sum_j e^(m_j - M) l_j (IEEE division), rounded;
+    out = round(o * round(sigmoid(gate))) (torch's formula, IEEE division). The splits are read
+    CH at a time (two passes over m: the max, then the weighted sums)."""
+    bh = tl.program_id(0)
+    b = bh // HQ
+    h = bh % HQ
+    d = tl.arange(0, HD)
+    ml = ml_ptr + bh * NSPLIT * 2
+    mx = tl.full([CH], float("-inf"), tl.float32)
+    for c in range(0, NSPLIT, CH):
+        jj = c + tl.arange(0, CH)
+        mx = tl.maximum(mx, tl.load(ml + jj * 2, mask=jj < NSPLIT, other=float("-inf")))
+    M = tl.max(mx, axis=0)
+    M = tl.where(M == float("-inf"), 0.0, M)  # no valid slot at all: o = 0, not NaN
+    den = tl.zeros([CH], dtype=tl.float32)
+    acc = tl.zeros([CH, HD], dtype=tl.float32)
+    for c in range(0, NSPLIT, CH):
+        jj = c + tl.arange(0, CH)
+        ok = jj < NSPLIT
+        wj = tl.exp(tl.load(ml + jj * 2, mask=ok, other=float("-inf")) - M)  # 0: no valid slot
+        den += wj * tl.load(ml + jj * 2 + 1, mask=ok, other=0.0)
+        oj = tl.load(part_ptr + (bh * NSPLIT + jj)[:, None] * HD + d[None, :], mask=ok[:, None],
+                     other=0.0)
+        acc += wj[:, None] * oj
+    total = tl.sum(den, axis=0)
+    o = _rnd(tl.div_rn(tl.sum(acc, axis=0), tl.where(total > 0, total, 1.0)), BF16)
+    gate = tl.load(gate_ptr + b.to(tl.int64) * G_SB + h * G_SH + d).to(tl.float32)
+    sig = _rnd(tl.div_rn(1.0, 1.0 + tl.exp(-gate)), BF16)
+    tl.store(out_ptr + bh * HD + d, _rnd(o * sig, BF16).to(out_ptr.dtype.element_ty))
+
+
+# ===== wrappers =====
+
+_INV_FREQ: dict[tuple, Tensor] = {}
+
+
+def inv_freq(device: torch.device, rotary_dim: int, theta: float) -> Tensor:
+    """fp32 [rd/2] inverse frequencies, computed on `device` by the expression of
+    layers.rope_cos_sin (bit-identical, so the angles are). Cached per device and never freed:
+    a captured graph keeps its address. Created on the first (warm-up) call, never during
+    capture (its kernels would only run at replay)."""
+    key = (torch.device(device), rotary_dim, float(theta))
+    if key not in _INV_FREQ:
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("qsa_decode: run one decode step before capturing a CUDA graph")
+        ar = torch.arange(0, rotary_dim, 2, dtype=torch.float, device=device)
+        _INV_FREQ[key] = 1.0 / (theta ** (ar / rotary_dim))
+    return _INV_FREQ[key]
+
+
+@lru_cache
+def _recip_sqrt(n: int) -> float:
+    # fp32 1 / fp32(sqrt(n)): torch's CUDA division by a Python scalar multiplies by this
+    return float(torch.tensor(n**0.5, dtype=torch.float32).reciprocal())
+
+
+def _bf16(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16
+
+
+def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor, Tensor, Tensor],
+             dims: QsaDims, eps: float, theta: float) -> tuple[Tensor, Tensor]:
+    """Kernel 1 (module docstring): the post-projection work of one decode step.
+
+    Args:
+        proj: [B, NP] fused projection output (layout: QsaDims.proj_width), model dtype.
+        pos: [B, 1] (or [B]) integer positions on the device.
+        cache: the layer's 'k', 'v' [B, L, Hkv, hd], 'ik' [B, L, di], 'kbar' [B, L // r, di],
+            written in place at pos (rows may be a batch slice; each row dense).
+        norms: the zero-centred weights (q_norm [hd], k_norm [hd], q_layernorm [di], k_layernorm [di]).
+    Returns:
+        q [B, Hq, hd] and iq [B, Hi, di] normed and roped, model dtype.
+    """
+    B = proj.shape[0]
+    Hq, Hkv, hd, Hi, di = dims.heads, dims.kv_heads, dims.head_dim, dims.index_heads, dims.index_dim
+    k, v, ik, kbar = cache["k"], cache["v"], cache["ik"], cache["kbar"]
+    assert proj.shape == (B, dims.proj_width) and proj.stride(1) == 1
+    assert k.shape[0] == B and k.shape[2:] == (Hkv, hd) and v.shape == k.shape
+    assert all(t[0].is_contiguous() and t.dtype == proj.dtype for t in (k, v, ik, kbar))
+    q = torch.empty(B, Hq, hd, dtype=proj.dtype, device=proj.device)
+    iq = torch.empty(B, Hi, di, dtype=proj.dtype, device=proj.device)
+    pos2 = pos.view(B, -1)
+    _prep_kernel[(B, Hq + Hkv + Hi + 1)](
+        proj, pos2, inv_freq(proj.device, dims.rotary_dim, theta), *norms, q, iq, k, v, ik, kbar,
+        proj.stride(0), pos2.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        ik.stride(0), ik.stride(1), kbar.stride(0), kbar.stride(1), kbar.shape[1], float(eps),
+        HQ=Hq, HKV=Hkv, HD=hd, HI=Hi, DI=di, RD=dims.rotary_dim, R=dims.ratio,
+        BF16=_bf16(proj.dtype), num_warps=2 if hd <= 128 else 4, enable_fp_fusion=False)
+    return q, iq
+
+
+def qsa_rank_keys(iq: Tensor, kbar: Tensor, pos: Tensor, n_blocks: int, ratio: int,
+                  block: int = 64) -> Tensor:
+    """Kernel 2: int64 ranking keys [B, N] of the first N = n_blocks cached block keys, equal to
+    qsa.rank_key(block_scores(iq, kbar[:, :N]), complete) up to the fp32 rounding of the scores.
+    iq [B, Hi, di]; kbar [B, >= N, di]; pos [B, 1] or [B]."""
+    B, Hi, di = iq.shape
+    assert kbar.shape[1] >= n_blocks and kbar[0].is_contiguous() and iq.is_contiguous()
+    keys = torch.empty(B, n_blocks, dtype=torch.int64, device=iq.device)
+    if n_blocks == 0:
+        return keys
+    pos2 = pos.view(B, -1)
+    _rank_kernel[(B, triton.cdiv(n_blocks, block))](
+        iq, kbar, pos2, keys, kbar.stride(0), kbar.stride(1), pos2.stride(0), n_blocks,
+        _recip_sqrt(di), HI=Hi, DI=di, R=ratio, BLOCK=block,
+        num_warps=max(1, min(8, block * di // 1024)))  # ~32 k̄ values a thread: 128 registers
+    return keys
+
+
+def default_tiles(B: int, kv_heads: int, slots: int, block_n: int, cuda: bool = True) -> int:
+    """Tiles of block_n slots per split: on CUDA enough splits for about two programs per SM;
+    elsewhere (the interpreter runs programs one by one, each with a fixed cost) 4 per head."""
+    nt = max(1, triton.cdiv(slots, block_n))
+    want = max(1, triton.cdiv(2 * SMS, B * kv_heads)) if cuda else 4
+    return triton.cdiv(nt, min(nt, want))
+
+
+def _tile_defaults(tc: bool, cuda: bool) -> tuple[int, int]:
+    # (block_n, num_warps) at hd 256 without register spills on sm_90 (ptxas: tensor cores
+    # 32 slots x 8 warps, 182 registers; IEEE FMA 16 x 4, 242); the interpreter: fewer tiles
+    if tc:
+        return 32, 8
+    return (16, 4) if cuda else (32, 4)
+
+
+def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
+                  dims: QsaDims, *, blocks: Tensor | None = None, block_keys: Tensor | None = None,
+                  idx: Tensor | None = None, ok: Tensor | None = None, tiles: int | None = None,
+                  block_n: int | None = None, num_warps: int | None = None) -> Tensor:
+    """Kernels 3 and 4: o [B, Hq*hd] = softmax attention of q over the selected tokens, times
+    sigmoid(gate), in q's dtype (ready for o_proj).
+
+    Args:
+        q: [B, Hq, hd] (normed, roped); gate: [B, Hq, hd] (last dim dense; a view of proj).
+        k_cache, v_cache: [B, L, Hkv, hd]; pos: [B, 1] or [B] positions.
+        blocks, block_keys: [B, K] top-k block indices and their ranking keys (valid: >= 0);
+            the slots are their K*r tokens and the r - 1 tail slots (select_blocks' set).
+        idx, ok: instead, explicit token indices [B, S] and validity [B, S].
+        tiles, block_n, num_warps: split size in tiles of block_n slots (None: default_tiles),
+            tile and warps (None: the H200's no-spill choices, see _tile_defaults).
+    """
+    B, Hq, hd = q.shape
+    Hkv, r = dims.kv_heads, dims.ratio
+    assert q.is_contiguous() and gate.shape == q.shape and gate.stride(2) == 1
+    assert k_cache[0].is_contiguous() and v_cache[0].is_contiguous()
+    pos2 = pos.view(B, -1)
+    tc = q.dtype == torch.bfloat16 and q.is_cuda
+    bn_default, warps_default = _tile_defaults(tc, q.is_cuda)
+    block_n = block_n or bn_default
+    blocks_mode = blocks is not None
+    if blocks_mode:
+        K = blocks.shape[1]
+        S = K * r + r - 1
+        sel, selv = (blocks, block_keys) if K > 0 else (pos2, pos2)  # K = 0: never read
+        sel_sb = blocks.stride(0) if K > 0 else 0
+        assert block_keys.shape == blocks.shape and (K == 0 or blocks.stride() == block_keys.stride())
+    else:
+        K, S = 0, idx.shape[1]
+        sel, selv, sel_sb = idx.contiguous(), ok.contiguous().view(torch.uint8), S
+    nt = max(1, triton.cdiv(S, block_n))
+    tiles = min(tiles or default_tiles(B, Hkv, S, block_n, q.is_cuda), nt)
+    nsplit = triton.cdiv(nt, tiles)
+    part = torch.empty(B, Hq, nsplit, hd, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B, Hq, nsplit, 2, dtype=torch.float32, device=q.device)
+    gp = max(16, triton.next_power_of_2(Hq // Hkv))
+    bf16 = _bf16(q.dtype)
+    _split_kernel[(B * Hkv, nsplit)](
+        q, k_cache, v_cache, sel, selv, pos2, part, ml, k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), sel_sb, pos2.stride(0), S, K, nsplit, tiles,
+        hd**-0.5, HQ=Hq, HKV=Hkv, HD=hd, R=r, GP=gp, BLOCK_N=block_n, BLOCKS_MODE=blocks_mode,
+        BF16=bf16, TC=tc, num_warps=num_warps or warps_default, enable_fp_fusion=False)
+    out = torch.empty(B, Hq * hd, dtype=q.dtype, device=q.device)
+    ch = 8
+    _combine_kernel[(B * Hq,)](
+        part, ml, gate, out, gate.stride(0), gate.stride(1), nsplit, HQ=Hq, HD=hd, CH=ch,
+        BF16=bf16, num_warps=4,
+        enable_fp_fusion=False)
+    return out
