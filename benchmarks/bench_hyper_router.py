@@ -14,6 +14,7 @@ Ops: hc_read; hc_write_read (the write folded into the next read); hc_write alon
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -153,25 +154,34 @@ def bench(bs_list, sweep: bool) -> dict:
                          "fused_kernel_names": k_fus, "torch_kernel_names": k_ref}
             print(bs, name, {k: v for k, v in row[name].items() if "names" not in k}, flush=True)
         if sweep:
-            row["sweep_hc_write_read_us"] = {}
-            for tl_ in _sweep_tiles(bs):
-                fn = _ops(tl_)["hc_write_read"][1]
-                row["sweep_hc_write_read_us"][repr(tl_)] = round(timed_graph(fn, t, ws, gs), 2)
-                print(bs, tl_, row["sweep_hc_write_read_us"][repr(tl_)], flush=True)
+            row["sweep_hc_write_read_us"], row["best_tiles"] = _sweep(t, ws, gs, bs)
         res[f"bs{bs}"] = row
     return res
 
 
-def _sweep_tiles(bs: int) -> list:
-    # kernel 1: rows per program x reduction step x warps; kernel 2: columns x step x warps
-    rb = hyper._rows_block(bs)
+def _sweep(t, ws, gs, bs: int) -> tuple[dict, str]:
+    # two phases (the kernels are independent): kernel 1's tiles with kernel 2's default, then
+    # kernel 2's with the best kernel 1; a step at or above D (L) means one masked pass
     base = hyper.default_tiles(bs)
-    downs = [(base.down_rows, base.down_k, 4), (2, 1024 // rb, 4), (8, 512 // rb, 4),
-             (4, 1024 // rb, 8), (16, 256 // rb, 8)]
-    ups = [(base.up_cols, base.up_k, 4), (4, 128 // rb, 4), (32, 64 // rb, 8)]
-    out = [hyper.HcTiles(*d, *u) for d in downs for u in ups]
-    return out + [hyper.HcTiles(base.down_rows, base.down_k, 4, base.up_cols, base.up_k, 4,
-                                fp_fusion=True)]
+    times = {}
+
+    def timed(tiles) -> float:
+        times[repr(tiles)] = round(timed_graph(_ops(tiles)["hc_write_read"][1], t, ws, gs), 2)
+        print(bs, tiles, times[repr(tiles)], flush=True)
+        return times[repr(tiles)]
+
+    downs = [(base.down_rows, base.down_k, base.down_warps), (2, 512, 4), (1, 512, 2),
+             (8, 512, 8), (1, 4096, 4), (2, 4096, 4), (2, 4096, 8), (4, 4096, 8)]
+    d_best = min(downs, key=lambda d: timed(dataclasses.replace(
+        base, down_rows=d[0], down_k=d[1], down_warps=d[2])))
+    mid = dataclasses.replace(base, down_rows=d_best[0], down_k=d_best[1], down_warps=d_best[2])
+    ups = [(base.up_cols, base.up_k, base.up_warps), (8, 64, 4), (16, 32, 4), (2, 64, 4),
+           (4, 64, 8), (2, 512, 4), (4, 512, 8)]
+    u_best = min(ups, key=lambda u: timed(dataclasses.replace(
+        mid, up_cols=u[0], up_k=u[1], up_warps=u[2])))
+    best = dataclasses.replace(mid, up_cols=u_best[0], up_k=u_best[1], up_warps=u_best[2])
+    timed(dataclasses.replace(best, fp_fusion=True))
+    return times, repr(best)
 
 
 def main() -> None:

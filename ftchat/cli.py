@@ -82,6 +82,10 @@ Slots = Annotated[int | None, typer.Option(
 ExpertVram = Annotated[float | None, typer.Option(
     "--expert-vram", metavar="GIB", rich_help_panel=MODEL,
     help="VRAM for expert slots, GiB (or --slots)")]
+VramBudget = Annotated[float | None, typer.Option(
+    "--vram-budget", metavar="GIB", rich_help_panel=MODEL,
+    help="The whole run's VRAM, GiB: slots sized by the VRAM plan, a plan that cannot fit "
+    "refused before loading, the process capped on CUDA (env FTCHAT_VRAM_BUDGET)")]
 Graph = Annotated[bool | None, typer.Option(
     "--graph/--eager", metavar="", rich_help_panel=MODEL,
     help="CUDA graphs (default: on CUDA)")]
@@ -191,6 +195,7 @@ def run(
     threads: Threads = None,
     slots: Slots = None,
     expert_vram: ExpertVram = None,
+    vram_budget: VramBudget = None,
     graph: Graph = None,
     prefetch: Prefetch = None,
     budget: Budget = None,
@@ -309,16 +314,32 @@ def info(
     vram: Annotated[list[float] | None, typer.Option(
         metavar="GIB", help="VRAM budget for the slot count (repeatable; default 16, 24, 32 "
         "and 80)")] = None,
+    context: Annotated[str | None, typer.Option(
+        "--context", "-c", metavar="N",
+        help="Print the VRAM plan at this KV capacity (e.g. 255k, k = 1024 tokens)")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", "--batch", metavar="B", help="Plan for B sequences decoded together")
+    ] = None,
+    slots: Annotated[int | None, typer.Option(
+        metavar="N", help="Plan with N expert slots (default: as many as fit)")] = None,
+    prefill: Annotated[int | None, typer.Option(
+        metavar="T", help="Tokens per prefill call in the plan (default 1024, as run; bench "
+        "prefills 1)")] = None,
+    synthetic: Annotated[str | None, typer.Option(
+        metavar="tiny|flash-next", help="Plan a synthetic layout (as bench --synthetic) "
+        "instead of MODEL")] = None,
+    layers: Annotated[int | None, typer.Option(metavar="N", help="Decoder layers of --synthetic")
+                      ] = None,
+    format: Annotated[str, typer.Option(
+        metavar="bf16|nvfp4-modelopt|nvfp4-ct", help="Expert format of --synthetic")
+    ] = "nvfp4-modelopt",
 ) -> None:
-    """Geometry, bytes and the expert slots that fit in VRAM, without loading the weights."""
-    from ftchat.resolve import resolve_model
-    from ftchat.ui.info import info_lines
+    """Geometry, bytes and the expert slots that fit in VRAM, without loading the weights;
+    with --context, --batch-size, --slots, --prefill or --synthetic, the whole VRAM plan."""
+    from ftchat.ui.info import info_command
 
-    for gib in vram or []:
-        if not gib > 0:
-            raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
-    resolved = resolve_model(model, os.environ)
-    typer.echo("\n".join(info_lines(resolved.path, vram)))
+    raise typer.Exit(info_command(model, vram, context, batch_size, slots, prefill, synthetic,
+                                  layers, format, os.environ, sys.stdout))
 
 
 def _engine_flags(local: dict, skip: tuple[str, ...]) -> dict:
@@ -336,8 +357,12 @@ def verify_cmd(
     audit_every: Annotated[int, typer.Option(
         "--audit-every", metavar="N", help="Byte-check the whole slot cache every N steps")] = 64,
     json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
+    graph: Annotated[bool, typer.Option(
+        "--graph", metavar="", help="Also decode every prompt, prefetch off and on, as `run` "
+        "does on CUDA (graph replay, no hooks), and compare with the eager arms")] = False,
     budget: Budget = None, budget_gdn: BudgetGdn = None, budget_attn: BudgetAttn = None,
     candidates: Candidates = None, slots: Slots = None, expert_vram: ExpertVram = None,
+    vram_budget: VramBudget = None,
     eviction: Eviction = None, overlap: Overlap = None, context: Context = None,
     device: Device = None, dtype: Dtype = None, copy_programs: CopyPrograms = None,
     threads: Threads = None,
@@ -347,9 +372,15 @@ def verify_cmd(
     The verifier and the slot audit watch the `on` arm: their findings fail the run too."""
     flags = _engine_flags(locals(), ("model", "mode", "prompts", "max_new_tokens", "audit_every",
                                      "json"))
+    flags["graph"] = True if graph else None  # settings.graph True: add the graph arms
     from ftchat.ui.debug import verify
     from ftchat.ui.run import apply_threads
     settings = resolve_settings(flags, os.environ)
+    if graph:
+        from ftchat.commands.verify import graph_refusal  # imports torch: the flags are good
+
+        if why := graph_refusal(settings):  # a usage error, before the model loads
+            raise typer.BadParameter(why, param_hint="'--graph'")
     apply_threads(settings)
     raise typer.Exit(verify(model, settings, os.environ, mode, prompts, max_new_tokens,
                             audit_every, json))
@@ -370,8 +401,8 @@ def audit_cmd(
     json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
     prefetch: Prefetch = None, budget: Budget = None, budget_gdn: BudgetGdn = None,
     budget_attn: BudgetAttn = None, candidates: Candidates = None, slots: Slots = None,
-    expert_vram: ExpertVram = None, eviction: Eviction = None, overlap: Overlap = None,
-    context: Context = None, device: Device = None, dtype: Dtype = None,
+    expert_vram: ExpertVram = None, vram_budget: VramBudget = None, eviction: Eviction = None,
+    overlap: Overlap = None, context: Context = None, device: Device = None, dtype: Dtype = None,
     threads: Threads = None,
 ) -> None:
     """A decode run with the slot audit on; exits 1 if any held slot's bytes are wrong."""
@@ -413,8 +444,8 @@ def bench_cmd(
         metavar="bf16|nvfp4-modelopt|nvfp4-ct", help="Expert format of --synthetic")
     ] = "nvfp4-modelopt",
     json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
-    slots: Slots = None, expert_vram: ExpertVram = None, eviction: Eviction = None,
-    graph: Graph = None, device: Device = None, dtype: Dtype = None,
+    slots: Slots = None, expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
+    eviction: Eviction = None, graph: Graph = None, device: Device = None, dtype: Dtype = None,
     copy_programs: CopyPrograms = None, threads: Threads = None,
 ) -> None:
     """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""

@@ -78,7 +78,8 @@ def resident_backend(m: LoadedModel) -> ResidentExperts:
 
 
 def num_slots(m: LoadedModel, settings: Settings) -> int:
-    """Slot count from --slots, --expert-vram or (CUDA) the free VRAM; at least bs x top_k."""
+    """Slot count from --slots, --expert-vram, --vram-budget (the VRAM plan) or (CUDA) the free
+    VRAM; at least bs x top_k."""
     a = m.args
     total = a.num_hidden_layers * a.num_experts
     need = settings.batch_size * a.num_experts_per_tok
@@ -86,6 +87,10 @@ def num_slots(m: LoadedModel, settings: Settings) -> int:
         n = settings.slots
     elif settings.expert_vram_gib is not None:
         n = int(settings.expert_vram_gib * 2**30 // m.layout.nbytes)
+    elif settings.vram_budget_gib is not None:
+        from ftchat.vram_plan import budget_slots  # it imports this module
+
+        n = budget_slots(m, settings)
     elif m.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(m.device)
         n = int((free - HEADROOM_BYTES) // m.layout.nbytes)
@@ -178,7 +183,7 @@ class Decoder:
 
     def prefill(self, row: int, ids: Tensor, start: int) -> Tensor:
         """Logits [T, V] of ids [T] appended to sequence `row` at position `start`, in chunks
-        (the attention scores of a chunk are [heads, chunk, context])."""
+        (activations, expert staging and the QSA block scores grow with the chunk)."""
         out = []
         for i in range(0, ids.shape[0], PREFILL_CHUNK):
             chunk = ids[i : i + PREFILL_CHUNK]

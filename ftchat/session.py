@@ -23,8 +23,8 @@ from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.tokenizer import IM_END, StreamDecoder, Tokenizer
 from ftchat.sampling import Sampler, Sampling
 from ftchat.settings import Settings
+from ftchat.vram_plan import DEFAULT_CONTEXT  # KV capacity when --context is not given
 
-DEFAULT_CONTEXT = 32768  # KV capacity when --context is not given (and the model allows it)
 STATS_EVERY_S = 0.5  # backend stats may sync the device: read them at most this often
 TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the next <|im_start|>
 

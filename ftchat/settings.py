@@ -1,5 +1,6 @@
 """Settings: one frozen object, resolved once at start-up from CLI flags, then the
-`FREETOKEN_MOE_*` environment variables of the seeds, then defaults (docs/design.md section 1).
+`FREETOKEN_MOE_*` environment variables of the seeds (and FTCHAT_VRAM_BUDGET), then defaults
+(docs/design.md section 1).
 
 Nothing else in ftchat reads these variables: the CLI passes `os.environ` in here.
 """
@@ -22,6 +23,7 @@ ENV_K = "FREETOKEN_MOE_PREFETCH_K"
 ENV_VERIFY = "FREETOKEN_MOE_PREFETCH_VERIFY"
 ENV_AUDIT = "FREETOKEN_MOE_SLOT_AUDIT"
 ENV_SLIM_COPY = "FREETOKEN_MOE_SLIM_COPY"
+ENV_VRAM_BUDGET = "FTCHAT_VRAM_BUDGET"  # GiB; ftchat's own, not a seed variable
 
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
@@ -42,6 +44,7 @@ class Settings:
     candidates: int = 16  # router-lookahead top-K
     slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
     expert_vram_gib: float | None = None
+    vram_budget_gib: float | None = None  # the run's VRAM plan must fit; slots sized to fit it
     eviction: Eviction = "rule"
     overlap: bool = True  # shared expert runs while the demand copy is in flight
     graph: bool | None = None  # None: CUDA graphs on CUDA, eager on CPU
@@ -227,6 +230,8 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "candidates": ("candidates", "--candidates", _int(1), ENV_K, _int(1)),
     "slots": ("slots", "--slots", _int(1), None, None),
     "expert_vram_gib": ("expert_vram", "--expert-vram", _positive_float, None, None),
+    "vram_budget_gib": ("vram_budget", "--vram-budget", _positive_float, ENV_VRAM_BUDGET,
+                        _positive_float),
     "eviction": ("eviction", "--eviction", _choice(Eviction), None, None),
     "overlap": ("overlap", "--overlap", _bool, None, None),
     "graph": ("graph", "--graph", _bool, None, None),
@@ -266,7 +271,8 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
 
     Args:
         flags: flag name with underscores (`budget_gdn`, `expert_vram`, ...) -> value or None.
-        env: the process environment (only the FREETOKEN_MOE_* variables are read).
+        env: the process environment (only the FREETOKEN_MOE_* variables and
+            FTCHAT_VRAM_BUDGET are read).
     Raises:
         SettingsError: one line naming the flag or variable with the bad value.
     """

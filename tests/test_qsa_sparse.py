@@ -4,6 +4,7 @@
 (b) the sparse selection equals the dense mask at every position, ties to the lowest block;
 (c) decode logits equal the dense path's within TOL over a context far past the budget;
 (d) a control: with ties to the highest block the comparison of (b) fails.
+The query-chunked sparse prefill has its own tests (tests/test_prefill_sparse.py).
 """
 
 from __future__ import annotations
@@ -218,6 +219,7 @@ def test_sparse_decode_matches_dense_over_a_long_context(tiny_bf16, monkeypatch)
     sparse = decode_run(m, ids, lengths, steps)
     static = decode_run(m, ids, lengths, steps, static=True)
     monkeypatch.setattr(qsa, "sparse_attention", qsa.dense_attention)
+    monkeypatch.setattr(qsa, "prefill_attention", qsa.dense_attention)  # the prefills too
     dense = decode_run(m, ids, lengths, steps)
     d = (sparse - dense).abs().max().item()
     ds = (static - dense).abs().max().item()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from ftchat.cli import app
@@ -13,9 +14,10 @@ from ftchat.offload.backend import OffloadExperts
 runner = CliRunner()
 
 
-def _verify(folder, *extra):
+def _verify(folder, *extra, as_json: bool = True):
     return runner.invoke(app, ["verify", str(folder), "--prompts", "3", "--max-new-tokens", "12",
-                               "--slots", "20", "--device", "cpu", "--json", *extra])
+                               "--slots", "20", "--device", "cpu",
+                               *(["--json"] if as_json else []), *extra])
 
 
 def test_verify_clean_exits_zero(tiny_nvfp4):
@@ -97,3 +99,164 @@ def test_audit_with_no_model_announces_the_demo(tiny_bf16, monkeypatch):
     assert res.exit_code == 0, res.output
     assert "demo model: a small qwen4_exp trained" in res.stderr
     assert "<function" not in res.stderr
+
+
+# ===== the end-of-prompt audit (issue 15, item 1) =====
+
+def _corrupt_after_the_last_step(monkeypatch, last_step: int, final_audit: bool = True):
+    """Flip a byte of a held slot at the end of decode step `last_step` (after the periodic
+    audit of that step, if any); with final_audit=False only audits run from end_step count."""
+    from ftchat.debug.audit import SlotAudit
+
+    audit, end_step = SlotAudit.audit, SlotAudit.end_step
+
+    def corrupting_end_step(self, v):
+        self.in_step = True
+        end_step(self, v)
+        self.in_step = False
+        if v.step == last_step:
+            S = v.bank.shape[0] - 1
+            slot = int((v.maps.id_of[:S] >= 0).nonzero()[0])
+            v.bank[slot, 0] ^= 0xFF
+
+    def periodic_only(self, v):
+        if final_audit or getattr(self, "in_step", False):
+            audit(self, v)
+
+    monkeypatch.setattr(SlotAudit, "end_step", corrupting_end_step)
+    monkeypatch.setattr(SlotAudit, "audit", periodic_only)
+
+
+def test_final_audit_catches_a_slot_corrupted_after_the_last_periodic_audit(tiny_nvfp4,
+                                                                            monkeypatch):
+    # 12 tokens = 11 decode steps; audits every 4 run at steps 4 and 8, the corruption at 11
+    _corrupt_after_the_last_step(monkeypatch, last_step=11)
+    res = _verify(tiny_nvfp4, "--audit-every", "4")
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines() == ["error: the slot audit found 3 bad slots"]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [v["audits"] for v in out["per_prompt"]] == [3, 3, 3]
+    assert [[b["step"] for b in v["bad_slots"]] for v in out["per_prompt"]] == [[11]] * 3
+    assert out["mismatches"] == 0  # nothing read the slot again: only the audit can see it
+
+
+def test_without_the_final_audit_that_corruption_goes_unseen(tiny_nvfp4, monkeypatch):
+    # negative control: the same corruption, only the periodic audits run
+    _corrupt_after_the_last_step(monkeypatch, last_step=11, final_audit=False)
+    res = _verify(tiny_nvfp4, "--audit-every", "4")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["audits"] == 6 and out["bad_slots"] == 0
+
+
+# ===== verify --graph (issue 15): graph replay, prefetch off and on, against the eager arms =====
+
+class EagerReplay:
+    """DecodeGraph's stand-in on CPU, where CUDA graphs do not exist: the same step function on
+    the same static buffers, run eagerly at each replay (no capture). `fault(call, logits)` may
+    change the logits of a replay (calls count per arm from 1)."""
+
+    built: list[EagerReplay] = []
+    fault = None
+
+    def __init__(self, step, batch: int, device):
+        import torch
+
+        self.step, self.calls = step, 0
+        self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
+        for _ in range(2):  # the capture's warm-up steps, which the Decoder must undo
+            step(self.tokens, self.pos)
+        EagerReplay.built.append(self)
+
+    def __call__(self, tokens, lengths):
+        import torch
+
+        self.calls += 1
+        self.tokens.copy_(tokens)
+        self.pos.copy_(torch.tensor(lengths, dtype=torch.long)[:, None])
+        logits = self.step(self.tokens, self.pos)
+        if EagerReplay.fault is not None:
+            EagerReplay.fault(self.calls, logits)
+        return logits
+
+
+@pytest.fixture
+def eager_replay(monkeypatch):
+    """Let --graph run on the CPU with EagerReplay in place of the CUDA graph."""
+    import ftchat.commands.verify as commands
+    import ftchat.engine as engine
+
+    monkeypatch.setattr(commands, "GRAPH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(engine, "DecodeGraph", EagerReplay)
+    monkeypatch.setattr(EagerReplay, "built", [])
+    monkeypatch.setattr(EagerReplay, "fault", None)
+    return EagerReplay
+
+
+def test_verify_graph_on_the_cpu_is_one_usage_line(capsys, monkeypatch, tmp_path):
+    from ftchat.cli import main
+
+    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
+    # a model that does not exist: the refusal comes before anything loads
+    assert main(["verify", str(tmp_path / "none"), "--graph", "--device", "cpu",
+                 "--slots", "20"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "error: Invalid value for '--graph': CUDA-graph replay needs a CUDA device and this "
+        "run is on cpu; there is no CPU equivalent (drop --graph)"]
+    # control: without --graph the same command gets as far as the missing model
+    assert main(["verify", str(tmp_path / "none"), "--device", "cpu", "--slots", "20"]) == 1
+    assert "--graph" not in capsys.readouterr().err
+
+
+def test_verify_graph_needs_a_fixed_slot_count(capsys, monkeypatch, tiny_nvfp4, eager_replay):
+    from ftchat.cli import main
+
+    assert main(["verify", str(tiny_nvfp4), "--graph", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "give --slots, --expert-vram or --vram-budget" in err[0], err
+
+
+def test_verify_graph_compares_hook_free_replay_with_the_eager_arms(tiny_nvfp4, eager_replay,
+                                                                    monkeypatch):
+    import ftchat.commands.verify as commands
+
+    built = []
+    real = commands.build_experts
+
+    def spy(m, settings, hooks=None):
+        built.append((settings.prefetch, hooks is None))
+        return real(m, settings, hooks)
+
+    monkeypatch.setattr(commands, "build_experts", spy)
+    res = _verify(tiny_nvfp4, "--graph")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["mismatches"] == 0 and out["graph_mismatches"] == 0
+    assert out["graph_first_mismatch"] is None
+    assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": None, "on": None}] * 3
+    # one capture per arm for the whole run, each replayed 11 steps x 3 prompts, without hooks
+    assert [g.calls for g in eager_replay.built] == [33, 33]
+    assert built[:2] == [("off", True), ("on", True)]
+    assert built[2:] == [("off", True), ("on", False)] * 3  # the eager arms: `on` is watched
+
+
+def test_verify_graph_mismatch_fails_and_is_reported(tiny_nvfp4, eager_replay, monkeypatch):
+    def wrong_token_at_step_5(call, logits):
+        if call % 11 == 5:  # 11 replays per prompt: token 5 of every prompt, both arms
+            logits[0, logits[0].argmax()] = float("-inf")
+
+    eager_replay.fault = wrong_token_at_step_5
+    res = _verify(tiny_nvfp4, "--graph")
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines() == [
+        "error: 3 of 3 prompts differ between CUDA-graph replay and eager decode"]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["mismatches"] == 0 and out["graph_mismatches"] == 3
+    assert out["graph_first_mismatch"] == 5
+    assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": 5, "on": 5}] * 3
+    monkeypatch.setenv("COLUMNS", "200")  # the table, wide enough for every column name
+    res = _verify(tiny_nvfp4, "--graph", as_json=False)
+    assert "graph mismatches" in res.stdout and "graph first mismatch" in res.stdout, res.stdout
+    assert res.exit_code == 1

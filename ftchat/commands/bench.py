@@ -25,6 +25,7 @@ from ftchat.kernels import fused_kernels
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.profile import profile_call
 from ftchat.settings import Settings, override
+from ftchat.vram_plan import budget_bytes, peak_report
 
 COUNTERS = ("misses", "prefetch_installs", "prefetch_useful")
 START_TOKEN = 7  # the prefilled token the arms decode from
@@ -157,8 +158,10 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
             "busy_us_per_layer": prof.busy_us / L if prof else None,
             "top_kernels": prof.top() if prof else None}
     off = out.get("off", {}).get("tok_s")
+    peak = peak_report(m.device, budget_bytes(base))  # process peaks: every arm ran by now
     for v in out.values():
         v["vs_off"] = v["tok_s"] / off if off else None
+        v.update(peak)
     for a in built:
         a.steps.close()
         a.experts.close()

@@ -6,6 +6,10 @@ verifier and the slot audit watch the `on` arm. audit: a decode run with the slo
 The audit byte-checks the whole cache every N decode steps and once more at the end of every
 prompt, so every prompt is audited however short. Both run eagerly (the debug records read
 Python-side step numbers).
+
+verify --graph adds the production path the hooked arms cannot watch: every prompt decoded with
+prefetch off and on by the same loop `ftchat run` uses, the step replayed from a CUDA graph, no
+hooks, and its tokens compared with the eager arm of the same prefetch setting.
 """
 
 from __future__ import annotations
@@ -18,9 +22,12 @@ from dataclasses import dataclass, field
 from ftchat.debug import HookChain
 from ftchat.debug.audit import SlotAudit
 from ftchat.debug.verify import Verifier
-from ftchat.engine import LoadedModel, build_experts, generate, num_slots
+from ftchat.engine import Decoder, LoadedModel, build_experts, decode, generate, num_slots
+from ftchat.errors import FtchatError
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
+
+GRAPH_DEVICES = ("cuda",)  # where DecodeGraph can capture a step: CUDA graphs have no CPU twin
 
 QUESTIONS = (
     "Write a Python function that merges two sorted lists.",
@@ -47,24 +54,72 @@ class PromptVerdict:
     records: list[dict] = field(default_factory=list)
     audits: int = 0
     bad_slots: list[dict] = field(default_factory=list)
+    # --graph: {"off": p, "on": p}, p the first position where graph replay differs from the eager
+    # arm of the same prefetch setting (None: identical); None: no graph arms ran
+    graph_first_mismatch: dict[str, int | None] | None = None
 
 
 def _greedy(m: LoadedModel, ids: list[int], max_new: int, ex) -> list[int]:
     return [s.tokens[0] for s in generate(m, [ids], max_new, ex)]
 
 
+def graph_refusal(settings: Settings) -> str | None:
+    """Why `verify --graph` cannot run with these settings, or None."""
+    device = settings.torch_device().type
+    if device not in GRAPH_DEVICES:
+        return (f"CUDA-graph replay needs a CUDA device and this run is on {device}; there is "
+                "no CPU equivalent (drop --graph)")
+    if settings.slots is None and settings.expert_vram_gib is None \
+            and settings.vram_budget_gib is None:
+        # two graph arms keep their slot caches all run: each cannot take the free VRAM (a
+        # --vram-budget plan counts the four arms' banks)
+        return ("give --slots, --expert-vram or --vram-budget: the graph arms hold their slot "
+                "caches all run")
+    return None
+
+
+class GraphArm:
+    """One prefetch setting decoded as `ftchat run` decodes: no hooks, the step replayed from a
+    CUDA graph captured once and reused for every prompt (state and cache emptied in place
+    between prompts, as a session reuses its decoder), through `engine.decode`."""
+
+    def __init__(self, m: LoadedModel, settings: Settings, max_len: int):
+        self.dec = Decoder(m, build_experts(m, settings), 1, max_len, graph=True)
+        if self.dec.graph is None:  # Decoder falls back to eager: that would not be graph replay
+            raise FtchatError("--graph: this model's decode step cannot be captured in a CUDA "
+                              "graph (its n-gram table is read from host files each step)")
+
+    def __call__(self, ids: list[int], max_new: int) -> list[int]:
+        self.dec.reset()  # a cold cache, as the eager arms' fresh backends
+        return [s.tokens[0] for s in decode(self.dec, [ids], [0], [max_new])]
+
+
+def _first_diff(a: list[int], b: list[int]) -> int | None:
+    first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    return min(len(a), len(b)) if first is None and len(a) != len(b) else first
+
+
 def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Settings, n: int,
            max_new: int, mode: str, audit_every: int = 64, seed: int = 0,
            progress: Callable[[int, int], None] | None = None) -> list[PromptVerdict]:
-    """Prefetch off vs on over n cold prompts; returns one verdict per prompt."""
+    """Prefetch off vs on over n cold prompts; returns one verdict per prompt. An explicit
+    settings.graph (`verify --graph`) adds the graph arms (GraphArm), prefetch off and on."""
     a = m.args
     base = dataclasses.replace(settings, verify=None, audit_every=0, batch_size=1)
     off_settings = dataclasses.replace(base, prefetch="off")
     on_settings = base if base.prefetch == "on" else dataclasses.replace(base, prefetch="on")
     S = num_slots(m, on_settings)
+    prompts = [encode(text) for text in cold_prompts(n, seed)]
+    graphs = None
+    if settings.graph is True:
+        if m.device.type not in GRAPH_DEVICES:
+            raise FtchatError(f"--graph: no CUDA graphs on {m.device.type}")
+        # the KV capacity a run would give (--context), at least what the eager arms use
+        max_len = max(settings.context or 0, max(map(len, prompts)) + max_new + 1)
+        graphs = {"off": GraphArm(m, off_settings, max_len),
+                  "on": GraphArm(m, on_settings, max_len)}
     verdicts = []
-    for i, text in enumerate(cold_prompts(n, seed)):
-        ids = encode(text)
+    for i, ids in enumerate(prompts):
         off = _greedy(m, ids, max_new, build_experts(m, off_settings))
         verifier = Verifier(mode, a.num_hidden_layers, m.device)
         audit = SlotAudit(audit_every, S, m.device)
@@ -72,8 +127,11 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
         on = _greedy(m, ids, max_new, ex)
         audit.audit(BackendView(ex))  # the cache as the prompt left it
         first = next((j for j, (x, y) in enumerate(zip(off, on)) if x != y), None)
+        graph_first = None if graphs is None else {
+            "off": _first_diff(off, graphs["off"](ids, max_new)),
+            "on": _first_diff(on, graphs["on"](ids, max_new))}
         verdicts.append(PromptVerdict(i, len(on), first, verifier.report(), audit.audits,
-                                      audit.bad))
+                                      audit.bad, graph_first))
         if progress:
             progress(i + 1, n)
     return verdicts
@@ -94,11 +152,17 @@ def audit_run(m: LoadedModel, prompts: list[list[int]], settings: Settings, ever
 
 def summary(verdicts: list[PromptVerdict]) -> dict:
     mism = [v for v in verdicts if v.first_mismatch is not None]
-    return {"prompts": len(verdicts), "mismatches": len(mism),
-            "first_mismatch": min((v.first_mismatch for v in mism), default=None),
-            "verifier_records": sum(len(v.records) for v in verdicts),
-            "audits": sum(v.audits for v in verdicts),
-            "bad_slots": sum(len(v.bad_slots) for v in verdicts)}
+    out = {"prompts": len(verdicts), "mismatches": len(mism),
+           "first_mismatch": min((v.first_mismatch for v in mism), default=None),
+           "verifier_records": sum(len(v.records) for v in verdicts),
+           "audits": sum(v.audits for v in verdicts),
+           "bad_slots": sum(len(v.bad_slots) for v in verdicts)}
+    graph = [v.graph_first_mismatch for v in verdicts if v.graph_first_mismatch is not None]
+    if graph:  # only a --graph run has these columns
+        firsts = [p for g in graph for p in g.values() if p is not None]
+        out["graph_mismatches"] = sum(any(p is not None for p in g.values()) for g in graph)
+        out["graph_first_mismatch"] = min(firsts, default=None)
+    return out
 
 
 def failure(s: dict) -> str | None:
@@ -106,6 +170,9 @@ def failure(s: dict) -> str | None:
     audit at all (a check that did not run proves nothing)."""
     if s["mismatches"]:
         return f"{s['mismatches']} of {s['prompts']} prompts differ with prefetch on"
+    if s.get("graph_mismatches"):
+        return (f"{s['graph_mismatches']} of {s['prompts']} prompts differ between CUDA-graph "
+                "replay and eager decode")
     if s["verifier_records"]:
         return f"the verifier recorded {s['verifier_records']} violations"
     if s["bad_slots"]:

@@ -54,10 +54,13 @@ class HcTiles:
 def default_tiles(rows: int) -> HcTiles:
     # about 32 fp32 accumulators per thread at 4 warps: rows * BLOCK_N * BLOCK_K <= 4096 and
     # rows * 4 * BLOCK_D * BLOCK_L <= 4096 (rows padded to a power of two). At D=2560, L=320:
-    # kernel 1 has 81 x 4 = 324 programs, kernel 2 has 160 (bs <= 2) or 320.
+    # kernel 1 has 81 x 4 = 324 programs, kernel 2 has 640 (bs <= 2) or 320.
+    # For rb == 2 (bs 1, 2) kernel 2 takes 4 columns x 64 low-rank steps: the H200
+    # sweep's best, 22.6 / 22.0 us for a write + read at bs 1 / 2 against 29.4 / 27.1 us for 16 x
+    # 32 (`bench_hyper_router.py --sweep`, docs/performance.md); kernel 1's default won its sweep.
     rb = _rows_block(rows)
-    return HcTiles(down_rows=4, down_k=1024 // rb, down_warps=4, up_cols=16 if rb == 2 else 8,
-                   up_k=32 if rb == 2 else 128 // rb, up_warps=4)
+    return HcTiles(down_rows=4, down_k=1024 // rb, down_warps=4, up_cols=4 if rb == 2 else 8,
+                   up_k=64 if rb == 2 else 128 // rb, up_warps=4)
 
 
 # ===== device helpers =====

@@ -5,7 +5,10 @@ Hi index heads, di index head dim, r compress ratio, N blocks, K chosen blocks, 
 NP fused projection width (Hq*2hd + 2*Hkv*hd + (Hi+1)*di).
 Ties between equal block scores (exact 0.0 is common: sums of ReLUs) go to the lowest block index.
 
-Prefill (T > 1) builds the dense [B, T, L] selection mask (`select_tokens`, also the reference).
+Prefill (T > 1) runs in query chunks (`prefill_attention`): per chunk the block scores against
+the cached k̄, the top-k with decode's order (`top_blocks`), a gather of each query's selected
+tokens and the attention over them; memory O(chunk * (L/r + budget)), never [T, L]. The dense
+[B, T, L] selection mask (`select_tokens`, `dense_attention`) is the reference of both.
 Decode (T == 1) is O(budget): block scores from the cached compressed keys k̄ (cache['kbar'],
 written once per block when its last token arrives), a fixed-size top-k and a gather of at most
 budget + r - 1 tokens. Its shapes depend on kv_len only, never on the data, so it can be
@@ -160,6 +163,118 @@ def dense_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int
     return attend(q, cache["k"][:, :kv_len], cache["v"][:, :kv_len], mask, a)
 
 
+# ===== prefill: the sparse selection per query chunk =====
+
+# Elements of the largest per-chunk intermediate of the sparse prefill (block scores
+# [B, tq, Hi, N], gathered keys [B, tq, S, Hkv, hd]), by device type; they set the query chunk
+# tq. CPU: 2 MB of fp32, the fastest in a sweep (2^16..2^21 on the tiny model at 32K: smaller
+# chunks pay per-op overhead, larger ones fall out of cache); a GPU: large enough to fill it.
+PREFILL_ELEMS = {"cpu": 1 << 19, "cuda": 1 << 26}
+
+
+def top_blocks(s: Tensor, K: int) -> tuple[Tensor, Tensor]:
+    """The K best complete blocks of each query under `rank_key`'s order (score, then lowest
+    index), as a set: indices [B, T, K] and validity [B, T, K] (False: fewer complete blocks
+    than K) from scores s [B, T, N] (fp32: >= 0 for a complete block, -1 for an incomplete one).
+
+    A float top-(K+1) settles every query whose K-th and (K+1)-th scores differ: then its K best
+    are one set, whatever order topk gives ties inside it. Queries tied at the cut (the
+    zero-score regime, docs/model.md 4.3) are ranked again by the tie-free int64 `rank_key`,
+    which costs ~5x the float path per block on the CPU."""
+    N = s.shape[-1]
+    best = torch.topk(s, min(K + 1, N), dim=-1)  # values descending
+    idx, val = best.indices[..., :K], best.values[..., :K]
+    if 0 < K < N:
+        cut = val[..., -1]
+        tied = (best.values[..., K] == cut) & (cut >= 0)  # [B, T]  (-0.0 == 0.0: tied too)
+        if tied.any():  # SYNC: which queries need the exact ranking
+            st = s[tied]  # [M, N]
+            exact = torch.topk(rank_key(st, st >= 0), K, dim=-1).indices  # [M, K]
+            idx, val = idx.clone(), val.clone()
+            idx[tied], val[tied] = exact, st.gather(-1, exact)
+    return idx, val >= 0
+
+
+def select_blocks_rows(iq: Tensor, kbar: Tensor, pos: Tensor, span: tuple[int, int],
+                       a: ModelArgs) -> tuple[Tensor, Tensor]:
+    """`select_blocks` for T queries per row: indices [B, T, S] and validity [B, T, S],
+    S = K*r + r - 1. iq [B, T, Hi, di] at positions pos [B, T], whose lowest and highest are
+    span (host ints); kbar [B, Nmax, di] cached k̄.
+
+    The same rule as `select_tokens` (a query ranks only the blocks complete for itself, the
+    tail of its open block is always kept; ties to the lowest block, `top_blocks`). Only the
+    blocks complete for the highest position are scored, and only those past the lowest
+    position's are masked."""
+    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+    N = min((span[1] + 1) // r, kbar.shape[1])  # complete for some query
+    n_all = min((span[0] + 1) // r, N)  # complete for every query
+    dev = pos.device
+    s = block_scores(iq, kbar[:, :N])  # [B, T, N]
+    late = torch.arange(n_all, N, device=dev)
+    s[..., n_all:].masked_fill_((late + 1) * r > pos[..., None] + 1, -1.0)  # incomplete
+    best, best_ok = top_blocks(s, min(top, N))  # [B, T, K]
+    offs = torch.arange(r, device=dev)
+    blk = (best[..., None] * r + offs).flatten(-2)  # [B, T, K*r]
+    blk_ok = best_ok[..., None].expand(-1, -1, -1, r).flatten(-2)
+    tail = ((pos + 1) // r * r)[..., None] + offs[: r - 1]  # [B, T, r-1]
+    tail_ok = tail <= pos[..., None]
+    ok = torch.cat([blk_ok, tail_ok], dim=-1)
+    idx = torch.where(ok, torch.cat([blk, tail], dim=-1), pos[..., None])
+    return idx, ok
+
+
+def attend_rows(q: Tensor, keys: Tensor, vals: Tensor, ok: Tensor) -> Tensor:
+    """GQA softmax attention of each query over its own tokens: q [B, T, Hq, hd], keys/vals
+    [B, T, S, Hkv, hd], ok [B, T, S] -> o [B, T, Hq*hd]. The dtypes of `attend`; the kv heads are
+    grouped, not repeated (query head h reads kv head h // rep)."""
+    Hq, hd, Hkv = q.shape[2], q.shape[3], keys.shape[3]
+    qg = q.unflatten(2, (Hkv, Hq // Hkv))  # [B, T, Hkv, rep, hd]
+    scores = (qg @ keys.permute(0, 1, 3, 4, 2)) * hd**-0.5  # [B, T, Hkv, rep, S]
+    scores = scores.masked_fill(~ok[:, :, None, None], torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return (probs @ vals.transpose(2, 3)).flatten(2)  # [B, T, Hkv, rep, hd] -> [B, T, Hq*hd]
+
+
+def prefill_query_chunk(T: int, kv_len: int, a: ModelArgs, device: str = "cpu") -> int:
+    """Queries per chunk of the sparse prefill: its largest intermediate (block scores, gathered
+    keys or attention scores) stays within PREFILL_ELEMS[device], whatever the context."""
+    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+    N = kv_len // r
+    S = min(top, N) * r + r - 1
+    per_query = max(a.indexer_n_heads * N, S * a.num_key_value_heads * a.head_dim,
+                    a.num_attention_heads * S)
+    elems = PREFILL_ELEMS["cpu" if device == "cpu" else "cuda"]
+    return max(1, min(T, elems // per_query))
+
+
+def prefill_chunks(pos: Tensor, kv_len: int, a: ModelArgs) -> list[tuple[slice, tuple[int, int]]]:
+    """The query chunks of the sparse prefill of queries at pos [B, T]: (queries, (lowest,
+    highest position among them)), in order."""
+    tq = prefill_query_chunk(pos.shape[1], kv_len, a, pos.device.type)
+    lo, hi = pos.amin(0).tolist(), pos.amax(0).tolist()  # SYNC: the blocks each chunk can see
+    return [(slice(i, i + tq), (min(lo[i : i + tq]), max(hi[i : i + tq])))
+            for i in range(0, len(lo), tq)]
+
+
+def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int, w: dict,
+                      a: ModelArgs) -> Tensor:
+    """o [B, T, Hq*hd] of T > 1 queries over the first kv_len cache entries, k̄ of every block
+    the queries complete already cached. Short contexts (every complete block selected) are
+    plain causal attention over L <= budget + r - 1; longer ones run in the chunks of queries of
+    `prefill_chunks`, each query over its <= budget + r - 1 selected tokens only."""
+    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+    k, v = cache["k"], cache["v"]
+    if kv_len // r <= top:  # select_tokens would give the causal mask itself (docs/model.md 4.2)
+        causal = torch.arange(kv_len, device=pos.device) <= pos[..., None]  # [B, T, L]
+        return attend(q, k[:, :kv_len], v[:, :kv_len], causal, a)
+    rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
+    out = []
+    for part, span in prefill_chunks(pos, kv_len, a):
+        idx, ok = select_blocks_rows(iq[:, part], cache["kbar"], pos[:, part], span, a)
+        out.append(attend_rows(q[:, part], k[rows, idx], v[rows, idx], ok))  # [B, tq, S, Hkv, hd]
+    return torch.cat(out, dim=1)
+
+
 def sparse_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int, w: dict,
                      a: ModelArgs) -> Tensor:
     """o [B, 1, Hq*hd] of one query per row over its <= budget + r - 1 selected tokens only."""
@@ -169,9 +284,9 @@ def sparse_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: in
     return attend(q, keys, vals, ok[:, None], a)
 
 
-# The fused decode has passed its tests under the Triton interpreter only: it is off until
-# tests/gpu/test_qsa_decode_gpu.py has passed on the device (the GPU tests switch it on).
-FUSED_DECODE = False
+# The fused decode on CUDA (tests/gpu/test_qsa_decode_gpu.py passed on the H200); False keeps
+# the torch decode there too (benchmarks compare the two).
+FUSED_DECODE = True
 
 
 def attention_mixer(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int, a: ModelArgs) -> Tensor:
@@ -179,8 +294,9 @@ def attention_mixer(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int, a
     [B, Lmax, ...] and cache['kbar'] [B, Lmax // r, di] (blocks it completes).
 
     Attends over the first kv_len cache entries (every query's own position is < kv_len):
-    dense for T > 1, sparse for T == 1. A CUDA decode step runs `attention_decode_fused`; the CPU,
-    prefill and unsupported geometries `attention_mixer_ref`."""
+    sparse per query chunk for T > 1 (`prefill_attention`), sparse for T == 1. A CUDA decode step
+    runs `attention_decode_fused`; the CPU, prefill and unsupported geometries
+    `attention_mixer_ref`."""
     if (FUSED_DECODE and x.shape[1] == 1 and use_fused(x)
             and qsa_decode_supported(qsa_dims(a), x.dtype, x.shape[0])):
         return attention_decode_fused(x, w, cache, pos, kv_len, a)
@@ -271,7 +387,7 @@ def attention_mixer_ref(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: in
     v = F.linear(x, w["v_proj.weight"])
     iqk = F.linear(x, w["indexer.index_qk_proj.weight"])  # [B, T, (Hi+1)*di]
     q, gate, iq = attention_inputs_ref(qg, k, v, iqk, w, cache, pos, a)
-    mix = sparse_attention if T == 1 else dense_attention
+    mix = sparse_attention if T == 1 else prefill_attention
     o = mix(q, iq, cache, pos, kv_len, w, a)  # [B, T, Hq*hd]
     return F.linear(o * torch.sigmoid(gate), w["o_proj.weight"])
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
 from collections.abc import Mapping
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -17,19 +18,50 @@ from ftchat.resolve import demo_notice, resolve_model
 from ftchat.settings import Settings
 from ftchat.ui.progress import progress_bar
 
+if TYPE_CHECKING:  # vram_plan imports the engine (torch): on use, after the flags are good
+    from ftchat import vram_plan as vp
 
-def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: TextIO):
+
+def _preflight(a, layout, settings: Settings, w: vp.Workload) -> vp.VramPlan | None:
+    """The VRAM plan checked before loading, when something is asked of it (a budget, a slot
+    count); None otherwise (slots are sized after loading, as before)."""
+    from ftchat.vram_plan import preflight
+
+    if settings.vram_budget_gib is None and all(s is None for s in w.banks):
+        return None
+    return preflight(a, layout, settings, w)
+
+
+def _pinned(settings: Settings, plan: vp.VramPlan | None) -> Settings:
+    """Under a budget, the planned slot count: the backends built later hold several banks at
+    once, which engine.num_slots (one bank) does not know."""
+    if plan is None or settings.vram_budget_gib is None or settings.slots is not None \
+            or settings.expert_vram_gib is not None:
+        return settings
+    return dataclasses.replace(settings, slots=plan.slots)
+
+
+def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: TextIO,
+          work=None):
+    """(model, tokenizer, plan): `work(args, layout)` is the Workload the VRAM plan checks
+    before the weights load (None: no plan)."""
     from ftchat.engine import load_model
     from ftchat.model.tokenizer import Tokenizer
 
     resolved = resolve_model(model, env)
     check_context(load_args(resolved.path), settings.context)
+    plan = None
+    if work is not None:
+        from ftchat.vram_plan import checkpoint_inputs
+
+        a, layout = checkpoint_inputs(resolved.path)
+        plan = _preflight(a, layout, settings, work(a, layout))
     if resolved.demo:
         print(demo_notice(resolved.path), file=err)
     tok = Tokenizer.from_folder(resolved.path)
     with progress_bar(err, "loading") as bar:
         m = load_model(resolved.path, str(settings.torch_device()), settings.torch_dtype(), bar)
-    return m, tok
+    return m, tok, plan
 
 
 def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: str,
@@ -43,7 +75,12 @@ def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: 
         raise FtchatError(f"--mode {mode!r}: expected meta or bytes")
     if prompts < 1 or max_new < 1 or audit_every < 1:
         raise FtchatError("--prompts, --max-new-tokens and --audit-every must be >= 1")
-    m, tok = _load(model, settings, env, err)
+    from ftchat.vram_plan import verify_workload
+
+    arms = 4 if settings.graph is True else 2  # verify --graph keeps two more backends
+    m, tok, plan = _load(model, settings, env, err, lambda a, layout: verify_workload(
+        a, layout, settings, max_new, arms))
+    settings = _pinned(settings, plan)
     encode = lambda text: tok.encode(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731
     with progress_bar(err, "verifying") as bar:
         verdicts = commands.verify(m, encode, settings, prompts, max_new, mode, audit_every,
@@ -78,7 +115,11 @@ def audit(model: str | None, settings: Settings, env: Mapping[str, str], every: 
         raise FtchatError("--every must be >= 1")
     if not prompt_texts:
         raise FtchatError("no prompts: give them as arguments or on stdin, one per line")
-    m, tok = _load(model, settings, env, err)
+    from ftchat.vram_plan import verify_workload
+
+    m, tok, plan = _load(model, settings, env, err, lambda a, layout: verify_workload(
+        a, layout, settings, max_new, 1))
+    settings = _pinned(settings, plan)
     ids = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in prompt_texts]
     a = commands.audit_run(m, ids, settings, every, max_new)
     res = {"prompts": len(ids), "audits": a.audits, "bad_slots": len(a.bad), "bad": a.bad[:20]}
@@ -122,9 +163,23 @@ def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: s
     out, err = out or sys.stdout, err or sys.stderr
     if steps < 1 or rounds < 1:
         raise FtchatError("--steps and --rounds must be >= 1")
+    from ftchat import vram_plan as vp
+
     arm_settings = parse_arms(arms, settings)  # usage errors before the model loads
     ctxs = [_tokens(c) for c in contexts.split(",")]
-    m = synthetic.load(settings, err) if synthetic else _load(model, settings, env, err)[0]
+    max_len = max(ctxs) + (rounds + 1) * steps + 2  # bench_context's KV capacity
+
+    def work(a, layout) -> vp.Workload:
+        return vp.bench_workload(a, layout, settings,
+                                 [s.settings for s in arm_settings.values()], max_len)
+
+    if synthetic:
+        a, layout = vp.synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt)
+        plan = _preflight(a, layout, settings, work(a, layout))
+        m = synthetic.load(settings, err)
+    else:
+        m, _, plan = _load(model, settings, env, err, work)
+    arm_settings = {name: _arm_pinned(spec, plan) for name, spec in arm_settings.items()}
     res = {}
     for ctx in ctxs:
         res[ctx] = bench_context(m, arm_settings, ctx, settings, steps, rounds)
@@ -139,9 +194,22 @@ def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: s
                               f"{v['misses_per_token']:.1f}", f"{v['useful_per_layer']:.2f}",
                               _f(v["precision"], "{:.2f}"))
             Console(file=out).print(table)
+            peak = next(iter(res[ctx].values()), {})
+            if peak.get("vram_peak_reserved_mib") is not None:  # CUDA only
+                budget = _f(peak["vram_budget_mib"], "{:,.0f} MiB")
+                out.write(f"VRAM peak since start: allocated {peak['vram_peak_allocated_mib']:,.0f}"
+                          f" MiB, reserved {peak['vram_peak_reserved_mib']:,.0f} MiB (graph "
+                          f"pools included); budget {budget}\n")
     if as_json:
         out.write(json.dumps(res) + "\n")
     return 0
+
+
+def _arm_pinned(spec, plan: vp.VramPlan | None):
+    """A bench arm with the planned slots (every offloaded arm holds its own bank)."""
+    if spec.settings is None:
+        return spec
+    return dataclasses.replace(spec, settings=_pinned(spec.settings, plan))
 
 
 def _f(x, fmt: str) -> str:

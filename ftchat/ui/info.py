@@ -7,13 +7,20 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import torch
 
-from ftchat.errors import ModelError
+from ftchat.errors import FtchatError, ModelError
 from ftchat.model.checkpoint import Checkpoint
+from ftchat.model.config import ModelArgs, check_context
+from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs
+
+if TYPE_CHECKING:
+    from ftchat.vram_plan import Workload
 
 DEFAULT_VRAM_GIB = (16.0, 24.0, 32.0, 80.0)
 GPU_DTYPE = torch.bfloat16  # what dense weights take on CUDA (--dtype auto)
@@ -63,8 +70,10 @@ def slots_that_fit(vram_gib: float, dense: int, row: int, total: int) -> int:
     return max(0, min(total, int((vram_gib * 2**30 - dense) // row)))
 
 
-def info_lines(folder: Path, vram_gib: list[float] | None = None) -> list[str]:
-    """The report, one line per fact."""
+def info_lines(folder: Path, vram_gib: list[float] | None = None,
+               slot_lines: bool = True) -> list[str]:
+    """The report, one line per fact; slot_lines: the slots per budget after the dense weights
+    (the VRAM plan replaces them)."""
     ck = Checkpoint(folder)
     ck.check_shapes()  # the figures below come from config.json: it must match the weights
     a, layout = ck.args, ck.row_layout()
@@ -94,9 +103,138 @@ def info_lines(folder: Path, vram_gib: list[float] | None = None) -> list[str]:
         f"on disk      {human(sum(stored.values()))} in {len(set(ck.files.values()))} shard(s): "
         f"{human(disk_experts)} experts, {human(sum(stored.values()) - disk_experts)} dense",
     ]
-    for gib in vram_gib or DEFAULT_VRAM_GIB:
+    for gib in (vram_gib or DEFAULT_VRAM_GIB) if slot_lines else ():
         n = slots_that_fit(gib, dense, row, n_rows)
         note = "all experts fit" if n == n_rows else f"{n / n_rows:.1%} of the experts"
         lines.append(f"slots        {gib:g} GiB VRAM: {n:,} slots ({note}; after the dense "
                      "weights, before KV cache and activations)")
     return lines
+
+
+# ===== the VRAM plan (`info --context/--batch-size/--slots/--prefill`, docs/design.md 4.9) =====
+
+
+def info_command(model: str | None, vram: list[float] | None, context: str | None,
+                 batch: int | None, slots: int | None, prefill: int | None,
+                 synthetic: str | None, layers: int | None, fmt: str, env: Mapping[str, str],
+                 out: TextIO) -> int:
+    """`ftchat info`: the report, and the VRAM plan when a plan option is given."""
+    from ftchat import vram_plan as vp
+    from ftchat.resolve import resolve_model
+
+    for gib in vram or []:
+        if not gib > 0:
+            raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
+    for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
+        if n is not None and n < 1:
+            raise FtchatError(f"{flag} {n}: expected a positive integer")
+    if synthetic is not None and model is not None:
+        raise FtchatError("give MODEL or --synthetic, not both")
+    if synthetic is None and layers is not None:
+        raise FtchatError("--layers needs --synthetic")
+    planned = synthetic is not None or any(x is not None for x in (context, batch, slots,
+                                                                   prefill))
+    L = context_tokens(context) if context else None  # a bad value before any output
+    if synthetic is not None:
+        a, layout = vp.synthetic_inputs(synthetic, layers, fmt)
+        lines = synthetic_lines(a, layout, synthetic, fmt)
+    else:
+        path = resolve_model(model, env).path
+        lines = info_lines(path, vram, slot_lines=not planned)
+        a, layout = vp.checkpoint_inputs(path) if planned else (None, None)
+    if planned:
+        L = L or vp.run_context(a, None)
+        check_context(a, L)
+    out.write("\n".join(lines) + "\n")
+    if planned:
+        w = vp.Workload(L, tuple(range(1, (batch or 1) + 1)), (slots,),
+                        min(prefill or vp.PREFILL_CHUNK, L))
+        print_plan(a, layout, vram or list(DEFAULT_VRAM_GIB), w, out)
+    return 0
+
+
+def synthetic_lines(a: ModelArgs, layout: RowLayout, preset: str, fmt: str) -> list[str]:
+    """The geometry lines of a synthetic layout (`info --synthetic`): nothing is on disk."""
+    n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
+    n_rows = a.num_hidden_layers * a.num_experts
+    pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))
+    return [
+        f"model        synthetic {preset}, {a.num_hidden_layers} layers, {fmt} experts (in "
+        "memory, as bench --synthetic builds it)",
+        f"layers       {a.num_hidden_layers}: {a.num_hidden_layers - n_attn} GDN, {n_attn} "
+        f"attention; PLE at layer(s) {', '.join(map(str, a.ple_layer_ids)) or 'none'}",
+        f"pattern      {pattern}  (G = GDN, A = attention)",
+        f"geometry     hidden {a.hidden_size}, vocab {a.vocab_size}, {a.num_experts} experts "
+        f"top-{a.num_experts_per_tok}, expert inner {a.moe_intermediate_size}",
+        f"context      {a.max_position_embeddings} (max_position_embeddings)",
+        f"expert row   {layout.nbytes:,} B ({layout.kind})",
+        f"experts      {n_rows:,} rows = {human(n_rows * layout.nbytes)} in host memory",
+    ]
+
+
+def context_tokens(text: str) -> int:
+    """`255k` -> 261120 (k = 1024 tokens), `4096` -> 4096."""
+    t = text.strip().lower()
+    try:
+        n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 255k")
+    return n
+
+
+def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Workload,
+               out: TextIO) -> None:
+    """The plan's items as a rich table (bf16 on CUDA, as `run` there), then one line per
+    budget: the slots that fit, or the item that does not."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ftchat import vram_plan as vp
+
+    given = w.banks[0]
+    p = vp.plan(a, layout, GPU_DTYPE, w, given or 0)
+    rows = ", ".join(map(str, w.decoders))
+    table = Table(title=f"VRAM plan: context {w.context:,}, decoder rows {rows}, prefill "
+                  f"{min(w.prefill_tokens, w.context):,} tokens per call, bfloat16, CUDA graphs "
+                  f"{'on' if w.graphs else 'off'}; GiB = 2^30 B", title_justify="left")
+    for col, just in (("item", "left"), ("GiB", "right"), ("bytes", "right"), ("how", "left"),
+                      ("note", "left")):
+        table.add_column(col, justify=just)
+    for it in p.items[:-1]:
+        table.add_row(it.name, f"{it.nbytes / vp.GIB:.3f}", f"{it.nbytes:,}",
+                      "exact" if it.exact else "estimate", it.note)
+    bank = p.items[-1]  # at 0 slots: the sink row alone
+    per = vp.plan(a, layout, GPU_DTYPE, w, 1).total - vp.plan(a, layout, GPU_DTYPE, w, 0).total
+    if given is None:
+        table.add_row("total before the slots", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "",
+                      f"everything above, plus the slot bank's sink row ({layout.nbytes:,} B)")
+        table.add_row("per expert slot", f"{per / vp.GIB:.5f}", f"{per:,}", "exact",
+                      f"one {layout.kind} row ({layout.nbytes:,} B) + its id_of/key entries")
+    else:
+        table.add_row(bank.name, f"{bank.nbytes / vp.GIB:.3f}", f"{bank.nbytes:,}", "exact",
+                      bank.note)
+        table.add_row("total", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "", "")
+    Console(file=out, width=None if out.isatty() else 170).print(table)
+    for gib in vram_gib:
+        out.write(_budget_line(a, layout, w, gib) + "\n")
+
+
+def _budget_line(a: ModelArgs, layout: RowLayout, w: Workload, gib: float) -> str:
+    from ftchat import vram_plan as vp
+
+    budget = int(gib * vp.GIB)
+    try:
+        p = vp.check(a, layout, GPU_DTYPE, w, budget, flag="")
+    except FtchatError as e:
+        return str(e)  # "16 GiB does not fit ...", or a refused --slots
+    n_rows = a.num_hidden_layers * a.num_experts
+    left = (budget - p.total) / vp.GIB
+    if w.banks[0] is not None:
+        return (f"{gib:g} GiB: {p.slots:,} slots fit ({left:.2f} GiB left over), plan total "
+                f"{p.total / vp.GIB:.2f} GiB")
+    share = "all experts fit" if p.slots == n_rows else f"{p.slots / n_rows:.1%} of the experts"
+    return (f"{gib:g} GiB: {p.slots:,} slots fit ({share}; slot bank "
+            f"{p.items[-1].nbytes / vp.GIB:.2f} GiB, plan total {p.total / vp.GIB:.2f} GiB, "
+            f"{left:.2f} GiB left over)")

@@ -58,8 +58,21 @@ def apply_threads(settings: Settings) -> None:
         torch.set_num_threads(settings.threads)
 
 
+def plan_run(resolved: ResolvedModel, settings: Settings) -> None:
+    """Before loading: refuse a --vram-budget the run's VRAM plan cannot fit, or a --slots
+    below batch x top-k (one line), and cap the process at the budget on CUDA."""
+    from ftchat import vram_plan as vp
+
+    if settings.vram_budget_gib is None and settings.slots is None \
+            and settings.expert_vram_gib is None:
+        return  # nothing to check: slots are sized after loading (free VRAM, or all on the CPU)
+    a, layout = vp.checkpoint_inputs(resolved.path)
+    vp.preflight(a, layout, settings, vp.run_workload(a, layout, settings))
+
+
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen) -> Session:
     check_context(load_args(resolved.path), settings.context)  # before the KV cache is sized
+    plan_run(resolved, settings)
     quiet = settings.quiet
     if resolved.demo and not quiet:
         screen.note(demo_notice(resolved.path))

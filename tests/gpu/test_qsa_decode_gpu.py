@@ -515,7 +515,7 @@ def test_fused_decode_matches_reference(geo, B, dtype, monkeypatch):
 
 
 def test_dispatcher_picks_the_path(monkeypatch):
-    monkeypatch.setattr(qsa, "FUSED_DECODE", True)  # off in the engine until this file passed on a GPU
+    monkeypatch.setattr(qsa, "FUSED_DECODE", True)  # the switch benchmarks may turn off
     a = _args("small")
     dtype = torch.bfloat16
     w = _layer(a, dtype, seed=60)
@@ -535,7 +535,8 @@ def test_dispatcher_picks_the_path(monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need the device")
-def test_fused_step_replays_in_a_cuda_graph():
+def test_fused_step_replays_in_a_cuda_graph(monkeypatch):
+    monkeypatch.setattr(qsa, "FUSED_DECODE", True)  # the captured step must be the fused one
     a = _args("real")
     B, dtype = 2, torch.bfloat16
     w = _layer(a, dtype, seed=70)

@@ -1,0 +1,334 @@
+"""The VRAM plan (issue 18): its exact items equal what the loader, DecodeState and the offload
+backend really allocate for a tiny synthetic model (CPU), and a plan that cannot fit a
+--vram-budget is refused before loading, in one line naming the item, with a control that fits.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from collections import defaultdict
+
+import pytest
+import torch
+
+from ftchat import vram_plan as vp
+from ftchat.cli import main
+from ftchat.engine import build_experts, load_model
+from ftchat.model.state import DecodeState
+from ftchat.model.synth_memory import synthetic_model
+from ftchat.offload.backend import StagedExperts
+from ftchat.offload.streams import make_streams
+from ftchat.settings import Settings
+
+F32 = torch.float32
+
+
+def _main(argv, capsys, monkeypatch):
+    capsys.readouterr()
+    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
+    monkeypatch.delenv("FTCHAT_VRAM_BUDGET", raising=False)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
+    code = main([str(a) for a in argv])
+    return (code, *capsys.readouterr())
+
+
+def one_error(code, out, err, *expected) -> str:
+    assert code == 1 and out == "", (code, out, err)
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and "internal error" not in err, err
+    for text in expected:
+        assert text in lines[0], err
+    return lines[0]
+
+
+def items(p: vp.VramPlan) -> dict[str, int]:
+    return {i.name: i.nbytes for i in p.items}
+
+
+def storage_bytes(tensors: dict[str, torch.Tensor], kind=lambda name: "all") -> dict[str, int]:
+    """Bytes of the distinct storages behind `tensors` (views of one fused weight count once),
+    by kind(name)."""
+    seen, out = set(), defaultdict(int)
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            continue  # a table left in its files (not the case at this size)
+        key = (kind(name), t.untyped_storage().data_ptr())
+        if key not in seen:
+            seen.add(key)
+            out[key[0]] += t.untyped_storage().nbytes()
+    return dict(out)
+
+
+# ===== exact items = real allocations =====
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bf16", "tiny_nvfp4"])
+def test_dense_items_are_the_loaders_tensors(fixture, request):
+    folder = request.getfixturevalue(fixture)
+    a, layout = vp.checkpoint_inputs(folder)  # headers only
+    p = vp.plan(a, layout, F32, vp.Workload(64, cuda=False), 20)
+    m = load_model(folder, "cpu", F32)
+    assert layout == m.layout
+    real = storage_bytes(m.weights.tensors, vp.dense_kind)
+    planned = {k: v for k, v in items(p).items() if k in vp.DENSE_KINDS}
+    assert real == planned
+    assert sum(real.values()) == p.dense_bytes()
+
+
+def test_dense_items_of_the_in_memory_synthetic_model():
+    a, layout = vp.synthetic_inputs("tiny", 4, "nvfp4-modelopt")
+    m = synthetic_model("tiny", 4, "nvfp4-modelopt", "cpu", torch.bfloat16)
+    p = vp.plan(a, layout, torch.bfloat16, vp.Workload(64, cuda=False), 20)
+    assert storage_bytes(m.weights.tensors, vp.dense_kind) == {
+        k: v for k, v in items(p).items() if k in vp.DENSE_KINDS}
+
+
+def test_dense_items_control_a_wrong_dtype_is_seen(tiny_bf16):
+    # control: the comparison sees a plan made for the wrong dtype
+    a, layout = vp.checkpoint_inputs(tiny_bf16)
+    p = vp.plan(a, layout, torch.bfloat16, vp.Workload(64, cuda=False), 20)
+    real = storage_bytes(load_model(tiny_bf16, "cpu", F32).weights.tensors)["all"]
+    assert real != p.dense_bytes()
+
+
+@pytest.mark.parametrize("rows,context", [((1,), 64), ((2,), 100), ((1, 2, 3), 37)])
+def test_state_items_are_the_decode_states(tiny_bf16, rows, context):
+    a, layout = vp.checkpoint_inputs(tiny_bf16)
+    p = items(vp.plan(a, layout, F32, vp.Workload(context, rows, cuda=False), 20))
+    real = defaultdict(int)
+    for b in rows:
+        s = DecodeState.create(a, b, context, "cpu", F32)
+        for kv in s.kv.values():
+            real["KV cache (K and V)"] += kv["k"].nbytes + kv["v"].nbytes
+            real["QSA index keys"] += kv["ik"].nbytes
+            real["QSA block keys"] += kv["kbar"].nbytes
+        real["GDN recurrent state"] += sum(t.nbytes for t in s.recurrent.values())
+        real["GDN conv state"] += sum(t.nbytes for t in s.conv.values())
+        real["PLE state"] += sum(t.nbytes for t in s.ple_conv.values()) + s.ple_ctx.nbytes
+    assert dict(real) == {k: p[k] for k in real}
+
+
+def test_slot_items_are_the_offload_backends(tiny_nvfp4):
+    m = load_model(tiny_nvfp4, "cpu", F32)
+    a = m.args
+    ex = build_experts(m, Settings(slots=20, device="cpu", prefetch="on", candidates=6))
+    w = vp.Workload(64, cuda=False, candidates=6)
+    p = items(vp.plan(a, m.layout, F32, w, 20))
+    maps = [ex.maps.slot_of, ex.maps.id_of, ex.maps.key, ex.maps.clock, ex.measured, ex.cands,
+            *vars(ex.maps.stats).values()]
+    assert ex.bank.nbytes == p["expert slot bank"]
+    assert sum(t.nbytes for t in maps) == p["slot maps"]
+    # the prefill staging area exists on CUDA only; its allocation is the same on the CPU
+    staged = StagedExperts(m.host_rows, m.layout, a.num_experts, torch.device("cpu"),
+                           make_streams(torch.device("cpu")), 0, (ex.maps.slot_of, ex.bank))
+    cuda = items(vp.plan(a, m.layout, F32, vp.Workload(64, cuda=True, candidates=6), 20))
+    real = staged.staging.nbytes + staged.rows_from_host.nbytes + staged.rows_from_slots.nbytes
+    assert real == cuda["prefill staging"] and p["prefill staging"] == 0
+
+
+def test_slots_that_fit_fill_the_budget_exactly(tiny_nvfp4):
+    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
+    w = vp.Workload(64, cuda=False)
+    exact = vp.plan(a, layout, F32, w, 37).total
+    assert vp.slots_that_fit(a, layout, F32, w, exact) == 37
+    assert vp.slots_that_fit(a, layout, F32, w, exact - 1) == 36
+    assert vp.slots_that_fit(a, layout, F32, w, 10**12) == a.num_hidden_layers * a.num_experts
+
+
+# ===== refusals before loading, each with a control that fits =====
+
+
+@pytest.fixture
+def loads(monkeypatch):
+    """The calls that would load weights (a refusal must leave this empty)."""
+    seen = []
+    real = load_model
+
+    def spy(*args, **kwargs):
+        seen.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("ftchat.engine.load_model", spy)
+    return seen
+
+
+def run_argv(folder, budget, *extra):
+    return ["run", folder, "--prompt", "hi", "-n", "2", "--device", "cpu", "-q",
+            "--vram-budget", repr(budget), *extra]
+
+
+def budget_gib(a, layout, w: vp.Workload, slots: int, extra: int = 0) -> float:
+    return (vp.plan(a, layout, F32, w, slots).total + extra) / vp.GIB
+
+
+def test_refused_a_budget_too_small_for_the_dense_weights(tiny_nvfp4, loads, capsys,
+                                                          monkeypatch):
+    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
+    dense = vp.plan(a, layout, F32, vp.Workload(64, cuda=False), 4).dense_bytes()
+    one_error(*_main(run_argv(tiny_nvfp4, dense / 2 / vp.GIB, "--context", "64"), capsys,
+                     monkeypatch), "is too small for the dense weights",
+              "raise --vram-budget to")
+    assert loads == []
+    w = vp.Workload(64, cuda=False)
+    code, out, err = _main(run_argv(tiny_nvfp4, budget_gib(a, layout, w, 4), "--context", "64"),
+                           capsys, monkeypatch)  # control: the whole plan at 4 slots fits
+    assert code == 0 and out.strip(), err
+    assert loads == [tiny_nvfp4]
+
+
+def test_refused_a_context_whose_kv_does_not_fit(tiny_nvfp4, loads, capsys, monkeypatch):
+    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
+    w = vp.Workload(4096, cuda=False)
+    p = vp.plan(a, layout, F32, w, 4)
+    before_kv = 0
+    for it in p.items:
+        if it.name == "KV cache (K and V)":
+            break
+        before_kv += it.nbytes
+    budget = (before_kv + it.nbytes // 2) / vp.GIB
+    line = one_error(*_main(run_argv(tiny_nvfp4, budget, "--context", "4096"), capsys,
+                            monkeypatch), "does not fit KV cache (K and V) at --context 4,096")
+    assert loads == []
+    fits = int(re.search(r"--context ([\d,]+) or less fits", line).group(1).replace(",", ""))
+    assert 0 < fits < 4096
+    code, out, err = _main(run_argv(tiny_nvfp4, budget, "--context", fits), capsys, monkeypatch)
+    assert code == 0 and out.strip(), err  # control: the context it names runs
+    assert loads == [tiny_nvfp4]
+
+
+def test_refused_fewer_slots_than_batch_times_top_k(tiny_nvfp4, loads, capsys, monkeypatch):
+    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
+    K = a.num_experts_per_tok
+    w = vp.Workload(64, cuda=False)
+    one_error(*_main(run_argv(tiny_nvfp4, budget_gib(a, layout, w, K - 1), "--context", "64"),
+                     capsys, monkeypatch),
+              f"leaves room for {K - 1} expert slots, fewer than batch size x top-k = {K}")
+    one_error(*_main(["run", tiny_nvfp4, "--prompt", "hi", "--device", "cpu", "--slots", K - 1],
+                     capsys, monkeypatch),
+              f"{K - 1} expert slots are fewer than batch size x top-k = {K}")  # no budget
+    w2 = vp.Workload(64, (1, 2), cuda=False)  # --batch-size 2: decoders of 1 and 2 rows
+    one_error(*_main(run_argv(tiny_nvfp4, budget_gib(a, layout, w2, 2 * K - 1), "--context", "64",
+                              "--batch-size", "2"), capsys, monkeypatch),
+              f"fewer than batch size x top-k = {2 * K}", "a smaller --batch-size")
+    assert loads == []
+    code, out, err = _main(run_argv(tiny_nvfp4, budget_gib(a, layout, w, K), "--context", "64"),
+                           capsys, monkeypatch)  # control: exactly batch x top-k slots fit
+    assert code == 0 and out.strip(), err
+    assert loads == [tiny_nvfp4]
+
+
+def test_the_budget_sizes_the_slots(tiny_nvfp4):
+    m = load_model(tiny_nvfp4, "cpu", F32)
+    a = m.args
+    w = vp.Workload(64, cuda=False)
+    s = Settings(device="cpu", context=64, vram_budget_gib=budget_gib(a, m.layout, w, 37))
+    ex = build_experts(m, s)
+    assert ex.cfg.num_slots == 37 and ex.bank.shape[0] == 38
+
+
+def test_budget_from_the_environment(tiny_nvfp4, loads, capsys, monkeypatch):
+    capsys.readouterr()
+    monkeypatch.setenv("FTCHAT_VRAM_BUDGET", "0.0001")
+    code = main(["run", str(tiny_nvfp4), "--prompt", "hi", "--device", "cpu"])
+    one_error(code, *capsys.readouterr(), "--vram-budget 0.0001 GiB is too small for the dense")
+    assert loads == []
+    one_error(*_main(run_argv(tiny_nvfp4, -1.0), capsys, monkeypatch),
+              "--vram-budget -1.0: expected a positive number of GiB")
+    monkeypatch.setenv("FTCHAT_VRAM_BUDGET", "lots")
+    code = main(["run", str(tiny_nvfp4), "--prompt", "hi", "--device", "cpu"])
+    one_error(code, *capsys.readouterr(), "FTCHAT_VRAM_BUDGET='lots': expected a positive number")
+
+
+def test_bench_and_verify_take_the_budget(tiny_nvfp4, loads, capsys, monkeypatch):
+    for cmd in (["bench", tiny_nvfp4, "--arms", "off;on", "--context", "16", "--steps", "1",
+                 "--rounds", "1"],
+                ["verify", tiny_nvfp4, "--prompts", "1", "-n", "2"]):
+        one_error(*_main([*cmd, "--device", "cpu", "--vram-budget", "0.0001"], capsys,
+                         monkeypatch), "--vram-budget 0.0001 GiB is too small for the dense")
+    assert loads == []
+
+
+def test_bench_arms_get_the_planned_slots(tiny_nvfp4, capsys, monkeypatch):
+    import json
+
+    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
+    # two offloaded arms, each with its own bank and decoder, one token prefilled
+    w = vp.Workload(16 + 2 * 1 + 2, (1, 1), (None, None), 1, cuda=False, graphs=False)
+    code, out, err = _main(["bench", tiny_nvfp4, "--arms", "off;on", "--context", "16", "--steps",
+                            "1", "--rounds", "1", "--device", "cpu", "--json", "--vram-budget",
+                            repr(budget_gib(a, layout, w, 30))], capsys, monkeypatch)
+    assert code == 0, err
+    res = json.loads(out.splitlines()[-1])["16"]
+    assert res["off"]["vram_peak_reserved_mib"] is None  # no CUDA: no peak
+    seen = []
+    real = build_experts
+    monkeypatch.setattr("ftchat.commands.bench.build_experts",
+                        lambda m, s, *x: seen.append(s.slots) or real(m, s, *x))
+    _main(["bench", tiny_nvfp4, "--arms", "off;on", "--context", "16", "--steps", "1", "--rounds",
+           "1", "--device", "cpu", "--json", "--vram-budget", repr(budget_gib(a, layout, w, 30))],
+          capsys, monkeypatch)
+    assert seen == [30, 30]
+
+
+# ===== info =====
+
+
+def test_info_prints_the_plan_and_the_slots(tiny_nvfp4, capsys, monkeypatch):
+    code, out, err = _main(["info", tiny_nvfp4, "--context", "1k", "--vram", "1"], capsys,
+                           monkeypatch)
+    assert code == 0, err
+    for name in ("embedding", "KV cache (K and V)", "QSA block keys", "GDN recurrent state",
+                 "prefill staging", "CUDA graph pools (estimate)", "per expert slot"):
+        assert name in out, name
+    assert "1 GiB: 96 slots fit (all experts fit" in out
+    assert "slots        1 GiB VRAM" not in out  # the plan replaces the dense-only figure
+
+
+def test_info_of_a_synthetic_layout_states_its_slots(capsys, monkeypatch):
+    code, out, err = _main(["info", "--synthetic", "flash-next", "--layers", "48", "--vram", "16",
+                            "--vram", "24", "--context", "4k", "--prefill", "1", "--slots",
+                            "1650"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "48 layers" in out and "expert slot bank" in out
+    assert re.search(r"^16 GiB: 1,650 slots fit", out, re.M), out
+    code, out, err = _main(["info", "--synthetic", "flash-next", "--layers", "48", "--vram", "16",
+                            "--context", "255k", "--prefill", "1"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "16 GiB does not fit" in out and "--context 261,120" in out
+
+
+def test_info_refuses_a_context_beyond_the_model(tiny_nvfp4, capsys, monkeypatch):
+    one_error(*_main(["info", tiny_nvfp4, "--context", "8k"], capsys, monkeypatch),
+              "--context 8192: more than this model's limit of 4,096 tokens")
+
+
+# ===== the CUDA-only pieces, with torch.cuda stubbed (no GPU here) =====
+
+
+def test_cap_process_sets_the_fraction_of_the_device(monkeypatch):
+    calls = []
+    props = type("Props", (), {"total_memory": 64 * vp.GIB})()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda f, d: calls.append((f, d)))
+    vp.cap_process(torch.device("cuda:0"), 16 * vp.GIB)
+    assert calls == [(0.25, torch.device("cuda:0"))]
+    with pytest.raises(vp.FtchatError, match="--vram-budget 80 GiB: more than the device's 64.0"):
+        vp.cap_process(torch.device("cuda:0"), 80 * vp.GIB)
+    assert len(calls) == 1
+
+
+def test_bench_prints_the_peak_against_the_budget(tiny_nvfp4, capsys, monkeypatch):
+    fake = {"vram_peak_allocated_mib": 1000.0, "vram_peak_reserved_mib": 1200.0,
+            "vram_budget_mib": 2048.0}
+    monkeypatch.setattr("ftchat.commands.bench.peak_report", lambda device, budget: fake)
+    code, out, err = _main(["bench", tiny_nvfp4, "--arms", "off", "--context", "16", "--steps",
+                            "1", "--rounds", "1", "--device", "cpu", "--slots", "20"], capsys,
+                           monkeypatch)
+    assert code == 0, err
+    assert ("VRAM peak since start: allocated 1,000 MiB, reserved 1,200 MiB (graph pools "
+            "included); budget 2,048 MiB") in out
+    assert vp.peak_report(torch.device("cpu"), None) == dict.fromkeys(vp.PEAK_KEYS)
