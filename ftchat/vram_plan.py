@@ -25,6 +25,7 @@ from ftchat.errors import FtchatError
 from ftchat.model.config import ModelArgs
 from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs
+from ftchat.offload.experts import EXPERT_GROUP
 
 if TYPE_CHECKING:
     from ftchat.engine import LoadedModel
@@ -266,7 +267,7 @@ def decode_workspace(a: ModelArgs, layout: RowLayout, act: int, B: int, L: int,
               2 * a.shared_expert_intermediate_size + 1)
     S = a.indexer_budget + r - 1
     experts = (B * K * (2 * I + H) * 4 if fused and B <= 8
-               else _dequant_bytes(layout, act, a, min(a.num_experts, B * K)))
+               else _dequant_bytes(layout, act, a, min(a.num_experts, B * K, EXPERT_GROUP)))
     return {
         "logits": 2 * B * V * act,  # the step's, and the copy decode yields under a graph
         "residual": 6 * B * hcD * act,  # R in and out, normed copies
@@ -307,8 +308,8 @@ def prefill_workspace(a: ModelArgs, layout: RowLayout, act: int, T: int, L: int,
     Hk, Hv, dk = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim
     U = min(a.num_experts, T * a.num_experts_per_tok)
     layers = {"attention": _prefill_attention(a, act, T, L, fused),
-              f"routed experts of {U} ({layout.kind}, torch path)":
-                  _dequant_bytes(layout, act, a, U),
+              f"routed experts of {U} ({layout.kind}, torch path, {EXPERT_GROUP} at a time)":
+                  _dequant_bytes(layout, act, a, min(U, EXPERT_GROUP)),
               "GDN chunked": 16 * T * (2 * Hk * dk + 2 * Hv * dk)}  # fp32 chunk tensors
     top = max(layers, key=layers.get)  # one layer's transients at a time
     return {top: layers[top], "residual": 6 * T * hcD * act,

@@ -85,6 +85,35 @@ def test_dispatcher_on_cpu_is_the_reference(kind):
     assert torch.equal(routed_experts_any(x, bank, layout, slot_of[ids], ids, w), ref)
 
 
+@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
+def test_torch_path_dequantizes_a_group_at_a_time(kind, monkeypatch):
+    # a prefill chunk routes to most experts of a layer: the torch path may hold only
+    # EXPERT_GROUP of them dequantized at once, with the same result as all at once
+    from ftchat.offload import experts
+
+    gen = torch.Generator().manual_seed(5)
+    layout = RowLayout(kind, 64, 32)
+    bank, slot_of = place(random_rows(layout, 12, gen), 16, gen)
+    ids, w = routing(9, 4, 12, gen)  # 9 tokens x 4 of 12 experts: most hit several times
+    x = _x(9, 64, torch.bfloat16, gen)
+    sizes = []
+    real = experts.expert_weights
+    monkeypatch.setattr(experts, "expert_weights",
+                        lambda rows, *a: sizes.append(rows.shape[0]) or real(rows, *a))
+    outs = {}
+    for group in (1, 5, 12):
+        monkeypatch.setattr(experts, "EXPERT_GROUP", group)
+        sizes.clear()
+        outs[group] = routed_experts(x, bank, layout, slot_of[ids], ids, w)
+        used = len(torch.unique(ids))
+        assert max(sizes) == min(group, used) and sum(sizes) == used
+    assert torch.equal(outs[1], outs[12]) and torch.equal(outs[5], outs[12])
+    mirror = routed_experts_decode_ref(x.float(), bank, layout, slot_of[ids], w)
+    # the mirror keeps fp32 weights and h: bf16 roundings apart
+    torch.testing.assert_close(outs[5].float(), mirror, rtol=2e-2,
+                               atol=2e-2 * float(mirror.abs().max()))
+
+
 _NO_TRITON = """
 import sys
 sys.modules["triton"] = None  # any `import triton` now raises ImportError
