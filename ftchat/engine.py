@@ -181,13 +181,22 @@ class Decoder:
         if experts:
             self.experts.reset()
 
-    def prefill(self, row: int, ids: Tensor, start: int) -> Tensor:
+    def prefill(self, row: int, ids: Tensor, start: int,
+                on_prefill: Callable[[int, int], None] | None = None) -> Tensor:
         """Logits [T, V] of ids [T] appended to sequence `row` at position `start`, in chunks
-        (activations, expert staging and the QSA block scores grow with the chunk)."""
-        out = []
-        for i in range(0, ids.shape[0], PREFILL_CHUNK):
+        (activations, expert staging and the QSA block scores grow with the chunk).
+
+        `on_prefill(done, total)` is called before the first chunk (done 0: the start time) and
+        after each one, once its work is finished (a progress line for long prompts)."""
+        out, total = [], ids.shape[0]
+        if on_prefill is not None:
+            on_prefill(0, total)
+        for i in range(0, total, PREFILL_CHUNK):
             chunk = ids[i : i + PREFILL_CHUNK]
             out.append(prefill(self.m, self.state, row, chunk, start + i, self.experts))
+            if on_prefill is not None:
+                _now(self.m.device)  # SYNC: report finished work, not queued kernels
+                on_prefill(min(i + PREFILL_CHUNK, total), total)
         return torch.cat(out)
 
     def step(self, tokens: Tensor, lengths: list[int]) -> Tensor:
@@ -238,20 +247,22 @@ def stop_reason(token: int, n: int, limit: int, length: int, max_len: int,
 
 def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int],
            limits: Sequence[int], stops: frozenset[int] = frozenset(),
-           choose: Callable[[Tensor], Tensor] | None = None) -> Iterator[Step]:
+           choose: Callable[[Tensor], Tensor] | None = None,
+           on_prefill: Callable[[int, int], None] | None = None) -> Iterator[Step]:
     """Greedy decode: prompt b is prefilled into row b of `dec` at position starts[b] (rows
     already hold starts[b] tokens), then every row decodes together until each has stopped
     (eos, its limit, or a full state). Yields one Step per position.
 
     `choose` replaces the greedy argmax: logits [B, V] -> tokens [B] on the device (sampling,
     ftchat.sampling.Sampler); it is called once per position, in order.
+    `on_prefill(done, total)` follows each prompt's prefill, chunk by chunk (Decoder.prefill).
     Closing the iterator at a yield leaves the state whole: the yielded tokens were not fed.
     """
     m, B, max_len = dec.m, len(prompts), dec.state.max_len
     prefill_s, last = [], []
     for b, ids in enumerate(prompts):
         t = _now(m.device)
-        last.append(dec.prefill(b, torch.tensor(list(ids)), starts[b])[-1])
+        last.append(dec.prefill(b, torch.tensor(list(ids)), starts[b], on_prefill)[-1])
         prefill_s.append(_now(m.device) - t)
     logits = torch.stack(last)  # [B, V]
     lengths = [s + len(p) for s, p in zip(starts, prompts, strict=True)]

@@ -260,12 +260,14 @@ class Session:
                                    [strings[s] for s in seqs], [params[s] for s in seqs])
 
     def _decode(self, dec: engine.Decoder, prompts: list[list[int]], starts: list[int],
-                limits: list[int], stops: frozenset[int], params: list[Sampling]):
-        """engine.decode, with a Sampler when any row samples."""
+                limits: list[int], stops: frozenset[int], params: list[Sampling],
+                on_prefill: Callable[[int, int], None] | None = None):
+        """engine.decode, with a Sampler when any row samples (and on_prefill when given)."""
+        extra = {} if on_prefill is None else {"on_prefill": on_prefill}
         if all(p.greedy for p in params):
-            return engine.decode(dec, prompts, starts, limits, stops)
+            return engine.decode(dec, prompts, starts, limits, stops, **extra)
         chooser = Sampler(params, prompts, self.model.device)
-        return engine.decode(dec, prompts, starts, limits, stops, choose=chooser)
+        return engine.decode(dec, prompts, starts, limits, stops, choose=chooser, **extra)
 
     def _chunk(self, seqs: range, prompts: list[list[int]], limits: list[int],
                stops: frozenset[int], strings: list[tuple[str, ...]],
@@ -309,11 +311,13 @@ class Session:
             self._chat.state.reset(slice(0, 1), self.model.args.eos_token_id or 0)
         self.length, self._pending = 0, []
 
-    def chat(self, ids: Sequence[int]) -> Iterator[StepRecord]:
+    def chat(self, ids: Sequence[int], on_prefill: Callable[[int, int], None] | None = None
+             ) -> Iterator[StepRecord]:
         """The reply to a new turn `ids` (see turn_ids), continuing the conversation's state.
 
-        Only the new turn is prefilled. Closing the iterator early (Ctrl-C) ends the reply
-        cleanly: the tokens shown so far stay in the conversation, closed by <|im_end|>.
+        Only the new turn is prefilled; `on_prefill(done, total)` follows it chunk by chunk.
+        Closing the iterator early (Ctrl-C) ends the reply cleanly: the tokens shown so far
+        stay in the conversation, closed by <|im_end|>.
         """
         turn = [*self._pending, *ids]
         if not ids:
@@ -326,7 +330,7 @@ class Session:
         if self._chat is None:
             self._chat = engine.Decoder(self.model, self.experts, 1, self.max_len,
                                         graph=self.settings.use_graph())
-        return self._reply(self._chat, turn)
+        return self._reply(self._chat, turn, on_prefill)
 
     def _decoder(self, batch: int) -> engine.Decoder:
         """The batch decoder of `batch` rows (made once: a CUDA graph is captured per size)."""
@@ -338,12 +342,13 @@ class Session:
             dec.reset(experts=False)  # a warm expert cache stays warm across prompt chunks
         return dec
 
-    def _reply(self, dec: engine.Decoder, turn: list[int]) -> Iterator[StepRecord]:
+    def _reply(self, dec: engine.Decoder, turn: list[int],
+               on_prefill: Callable[[int, int], None] | None = None) -> Iterator[StepRecord]:
         m, stats = self.model, _StatsThrottle(self.experts)
         params = self._sampling(None, 1)
         watch = _StopWatch(self.tokenizer, self.settings.stop) if self.settings.stop else None
         steps = self._decode(dec, [turn], [self.length], [self.settings.max_new_tokens],
-                             self.tokenizer.eos_ids, params)
+                             self.tokenizer.eos_ids, params, on_prefill)
         seed = None if params[0].greedy else params[0].seed
         tok = None  # the last token shown: the loop feeds it only if it runs on
         try:

@@ -8,7 +8,8 @@ a reply streams is kept for the next prompt (ui/tty.py).
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from itertools import chain
 from types import FrameType
 
 from dataclasses import replace
@@ -17,6 +18,7 @@ from ftchat.errors import FtchatError
 from ftchat.session import Session, StepRecord
 from ftchat.ui.batch import json_reply
 from ftchat.ui.panel import Screen, figure_rows, summary_parts
+from ftchat.ui.progress import PrefillProgress
 from ftchat.ui.text import ReplyText, printable
 from ftchat.ui.tty import Terminal
 
@@ -142,37 +144,48 @@ def _reply(session: Session, screen: Screen, ids: list[int], terminal: Terminal,
            json_index: int | None = None) -> StepRecord | None:
     """Stream one reply (or, with json_index, write it as one JSON object once done); returns
     its last record (None if nothing was generated)."""
-    replies = session.chat(ids)  # raises here when the turn does not fit
+    progress = PrefillProgress.on(None if session.settings.quiet else screen.err)
+    replies = session.chat(ids, progress)  # raises here when the turn does not fit
     decoder = ReplyText(session.tokenizer, session.settings.stop)
     last, ends_line, tokens = None, True, []
-    with _CtrlC() as ctrl_c, terminal.replying(), screen.live() as out:
-        try:
-            for rec in replies:
-                last = rec
-                tokens.append(rec.token)
-                if json_index is None and rec.stop != "eos":  # the stop token is not text
-                    text = printable(decoder.feed(rec.token))
-                    out.write(text)
-                    ends_line = text.endswith("\n") if text else ends_line
-                out.show(rec.figures)
-                terminal.poll()
-                if ctrl_c.requested:
-                    break
-        finally:
-            replies.close()  # at a step boundary: the conversation state stays whole
-        if json_index is not None:
-            if last is not None:
-                final = last if last.stop else replace(last, stop="interrupted")
-                out.write(json_reply(session, json_index, final, tokens) + "\n")
-        else:
-            text = printable(decoder.flush())
-            out.write(text + ("" if (text.endswith("\n") if text else ends_line) else "\n"))
+    with _CtrlC() as ctrl_c, terminal.replying():
+        records = _prefilled(replies, progress)
+        with screen.live() as out:
+            try:
+                for rec in records:
+                    last = rec
+                    tokens.append(rec.token)
+                    if json_index is None and rec.stop != "eos":  # the stop token is not text
+                        text = printable(decoder.feed(rec.token))
+                        out.write(text)
+                        ends_line = text.endswith("\n") if text else ends_line
+                    out.show(rec.figures)
+                    terminal.poll()
+                    if ctrl_c.requested:
+                        break
+            finally:
+                replies.close()  # at a step boundary: the conversation state stays whole
+            if json_index is not None:
+                if last is not None:
+                    final = last if last.stop else replace(last, stop="interrupted")
+                    out.write(json_reply(session, json_index, final, tokens) + "\n")
+            else:
+                text = printable(decoder.flush())
+                out.write(text + ("" if (text.endswith("\n") if text else ends_line) else "\n"))
     if ctrl_c.requested and (last is None or last.stop is None):
         screen.note("[interrupted]")
     if last is not None and not session.settings.quiet:
         # the conversation's context: the turn is closed now (its <|im_end|> counts), as /stats
         screen.note_parts(summary_parts(last, f"{session.context_used}/{session.max_len}"))
     return last
+
+
+def _prefilled(replies: Iterator[StepRecord], progress: PrefillProgress) -> Iterator[StepRecord]:
+    """`replies` with its first record (the prefill) already taken, under the prefill line:
+    before the panel starts, as two live displays on one terminal would draw over each other."""
+    with progress:
+        first = next(replies, None)
+    return chain([] if first is None else [first], replies)
 
 
 def _enable_line_editing() -> None:
