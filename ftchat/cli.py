@@ -360,6 +360,9 @@ def verify_cmd(
     graph: Annotated[bool, typer.Option(
         "--graph", metavar="", help="Also decode every prompt, prefetch off and on, as `run` "
         "does on CUDA (graph replay, no hooks), and compare with the eager arms")] = False,
+    prompt_seed: Annotated[int, typer.Option(
+        "--prompt-seed", metavar="S", help="Seed of the prompts' random nonces: another seed, "
+        "other cold prompts (a long run split over several calls)")] = 0,
     budget: Budget = None, budget_gdn: BudgetGdn = None, budget_attn: BudgetAttn = None,
     candidates: Candidates = None, slots: Slots = None, expert_vram: ExpertVram = None,
     vram_budget: VramBudget = None,
@@ -371,7 +374,7 @@ def verify_cmd(
 
     The verifier and the slot audit watch the `on` arm: their findings fail the run too."""
     flags = _engine_flags(locals(), ("model", "mode", "prompts", "max_new_tokens", "audit_every",
-                                     "json"))
+                                     "json", "prompt_seed"))
     flags["graph"] = True if graph else None  # settings.graph True: add the graph arms
     from ftchat.ui.debug import verify
     from ftchat.ui.run import apply_threads
@@ -383,7 +386,7 @@ def verify_cmd(
             raise typer.BadParameter(why, param_hint="'--graph'")
     apply_threads(settings)
     raise typer.Exit(verify(model, settings, os.environ, mode, prompts, max_new_tokens,
-                            audit_every, json))
+                            audit_every, json, prompt_seed=prompt_seed))
 
 
 @app.command("audit", cls=_Command)

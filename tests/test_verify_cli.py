@@ -36,6 +36,20 @@ def test_verify_audits_every_prompt_even_a_short_one(tiny_nvfp4):
     assert out["audits"] == 3 and [v["audits"] for v in out["per_prompt"]] == [1, 1, 1]
 
 
+def test_verify_prompt_seed_picks_other_cold_prompts(tiny_nvfp4, monkeypatch):
+    from ftchat.commands import verify as commands
+
+    seen = []
+    real = commands.cold_prompts
+    monkeypatch.setattr(commands, "cold_prompts",
+                        lambda n, seed: seen.append(real(n, seed)) or seen[-1])
+    outs = [json.loads(_verify(tiny_nvfp4, *args).stdout.strip().splitlines()[-1])
+            for args in ((), ("--prompt-seed", "7"))]
+    assert [o["prompt_seed"] for o in outs] == [0, 7]
+    assert seen[0] == real(3, 0) and seen[1] == real(3, 7)
+    assert not set(seen[0]) & set(seen[1])  # other nonces: a split run repeats no prompt
+
+
 def test_verify_that_audited_nothing_fails(tiny_nvfp4, monkeypatch):
     from ftchat.debug.audit import SlotAudit
 

@@ -66,8 +66,9 @@ def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: Te
 
 def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: str,
            prompts: int, max_new: int, audit_every: int, as_json: bool,
-           out: TextIO | None = None, err: TextIO | None = None) -> int:
-    """Prefetch on vs off over cold prompts with the verifier and audit on the `on` arm."""
+           out: TextIO | None = None, err: TextIO | None = None, prompt_seed: int = 0) -> int:
+    """Prefetch on vs off over cold prompts (nonces seeded by prompt_seed) with the verifier
+    and audit on the `on` arm."""
     from ftchat.commands import verify as commands
 
     out, err = out or sys.stdout, err or sys.stderr
@@ -84,10 +85,11 @@ def verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: 
     encode = lambda text: tok.encode(tok.render_chat([{"role": "user", "content": text}]))  # noqa: E731
     with progress_bar(err, "verifying") as bar:
         verdicts = commands.verify(m, encode, settings, prompts, max_new, mode, audit_every,
-                                   progress=lambda i, n: bar("prompts", i, n))
+                                   seed=prompt_seed, progress=lambda i, n: bar("prompts", i, n))
     s = commands.summary(verdicts)
     if as_json:
-        out.write(json.dumps({**s, "per_prompt": [vars(v) for v in verdicts]}) + "\n")
+        out.write(json.dumps({**s, "prompt_seed": prompt_seed,
+                              "per_prompt": [vars(v) for v in verdicts]}) + "\n")
     else:
         table = Table(title=f"prefetch on vs off, verify={mode}, audit every {audit_every}")
         for col in s:
