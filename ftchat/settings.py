@@ -105,6 +105,19 @@ def _fail(where: str, value: object, expected: str) -> SettingsError:
     return SettingsError(f"{where}{shown}: expected {expected}")
 
 
+def context_tokens(text: str) -> int:
+    """A context given as tokens: `255k` -> 261120 (k = 1024 tokens), `4096` -> 4096 (bench's
+    --context list, info's --context)."""
+    t = text.strip().lower()
+    try:
+        n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 255k")
+    return n
+
+
 def _int(minimum: int) -> Callable[[object, str], int]:
     expected = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
 

@@ -287,12 +287,10 @@ def _prefill_attention(a: ModelArgs, act: int, T: int, L: int, cuda: bool) -> in
                           a.indexer_n_heads, a.indexer_compress_ratio)
     top, N = a.indexer_budget // r, L // r
     causal = T * L + 2 * Hq * L * hd * act + Hq * T * L * (2 * act + 4)  # `attend` over [T, L]
-    chunk = getattr(qsa, "prefill_query_chunk", None)  # the chunked sparse prefill
-    if chunk is None:  # the dense [T, L] selection mask, then `attend` (K/V repeated per head)
-        return max(4 * T * L + T * N * (2 * Hi * 4 + 4 * 2 + 8 * 3), causal)
     if N <= top:  # every complete block selected: plain causal attention over L
         return causal
-    tq, S = chunk(T, L, a, "cuda" if cuda else "cpu"), top * r + r - 1
+    # the sparse prefill, in query chunks
+    tq, S = qsa.prefill_query_chunk(T, L, a, "cuda" if cuda else "cpu"), top * r + r - 1
     per_query = (N * (2 * Hi * 4 + 4 + 1)  # block scores and their ReLU, fp32; completeness
                  + S * (2 * Hkv * hd * act + Hq * (2 * act + 4) + 9))  # K/V gathered, scores
     return tq * per_query + 2 * T * Hq * hd * act  # + the chunk outputs and their concatenation

@@ -21,6 +21,7 @@ from ftchat.model.synth_memory import synthetic_model
 from ftchat.offload.backend import StagedExperts
 from ftchat.offload.streams import make_streams
 from ftchat.settings import Settings
+from tests.test_cli_errors import one_error
 
 F32 = torch.float32
 
@@ -32,16 +33,6 @@ def _main(argv, capsys, monkeypatch):
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"")))
     code = main([str(a) for a in argv])
     return (code, *capsys.readouterr())
-
-
-def one_error(code, out, err, *expected) -> str:
-    assert code == 1 and out == "", (code, out, err)
-    lines = err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err and "internal error" not in err, err
-    for text in expected:
-        assert text in lines[0], err
-    return lines[0]
 
 
 def items(p: vp.VramPlan) -> dict[str, int]:

@@ -145,7 +145,7 @@ def _reply(session: Session, screen: Screen, ids: list[int], terminal: Terminal,
     """Stream one reply (or, with json_index, write it as one JSON object once done); returns
     its last record (None if nothing was generated)."""
     progress = PrefillProgress.on(None if session.settings.quiet else screen.err)
-    replies = session.chat(ids, progress)  # raises here when the turn does not fit
+    replies = session.chat(ids, progress.callback)  # raises here when the turn does not fit
     decoder = ReplyText(session.tokenizer, session.settings.stop)
     last, ends_line, tokens = None, True, []
     with _CtrlC() as ctrl_c, terminal.replying():

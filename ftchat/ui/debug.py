@@ -15,7 +15,7 @@ from rich.table import Table
 from ftchat.errors import FtchatError
 from ftchat.model.config import check_context, load_args
 from ftchat.resolve import demo_notice, resolve_model
-from ftchat.settings import Settings
+from ftchat.settings import Settings, context_tokens
 from ftchat.ui.progress import progress_bar
 
 if TYPE_CHECKING:  # vram_plan imports the engine (torch): on use, after the flags are good
@@ -168,7 +168,7 @@ def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: s
     from ftchat import vram_plan as vp
 
     arm_settings = parse_arms(arms, settings)  # usage errors before the model loads
-    ctxs = [_tokens(c) for c in contexts.split(",")]
+    ctxs = [context_tokens(c) for c in contexts.split(",")]
     max_len = max(ctxs) + (rounds + 1) * steps + 2  # bench_context's KV capacity
 
     def work(a, layout) -> vp.Workload:
@@ -216,14 +216,3 @@ def _arm_pinned(spec, plan: vp.VramPlan | None):
 
 def _f(x, fmt: str) -> str:
     return "-" if x is None else fmt.format(x)
-
-
-def _tokens(text: str) -> int:
-    t = text.strip().lower()
-    try:
-        n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 32k")
-    return n

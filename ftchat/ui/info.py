@@ -18,6 +18,7 @@ from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
 from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs
+from ftchat.settings import context_tokens
 
 if TYPE_CHECKING:
     from ftchat.vram_plan import Workload
@@ -170,18 +171,6 @@ def synthetic_lines(a: ModelArgs, layout: RowLayout, preset: str, fmt: str) -> l
         f"expert row   {layout.nbytes:,} B ({layout.kind})",
         f"experts      {n_rows:,} rows = {human(n_rows * layout.nbytes)} in host memory",
     ]
-
-
-def context_tokens(text: str) -> int:
-    """`255k` -> 261120 (k = 1024 tokens), `4096` -> 4096."""
-    t = text.strip().lower()
-    try:
-        n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 255k")
-    return n
 
 
 def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Workload,

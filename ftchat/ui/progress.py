@@ -66,6 +66,11 @@ class PrefillProgress:
     def on(cls, err: TextIO | None) -> PrefillProgress:
         return cls(Console(file=err, highlight=False) if err is not None else None)
 
+    @property
+    def callback(self) -> PrefillProgress | None:
+        """self where it can draw, else None: no reports asked (nor the device waits for them)."""
+        return self if _drawn(self.console) else None
+
     def __call__(self, done: int, total: int) -> None:
         if done == 0:
             self.t0 = time.perf_counter()  # the prefill starts now
