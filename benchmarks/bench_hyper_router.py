@@ -8,7 +8,7 @@ Each graph holds REPS calls in a row, cycling through distinct weight sets (more
 so the figure is a call's steady-state cost inside a long graph, weights from HBM as in decode.
 Ops: hc_read; hc_write_read (the write folded into the next read); hc_write alone; route; and
 "layer" = what one decoder layer spends on these: 2 x hc_write_read + route.
---sweep also times a few kernel tile choices for hc_write_read.
+--sweep also times a few tile choices of the split read (ftchat/kernels/hyper.py).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from graph_timing import graph_us  # benchmarks/ (the script's folder)
 from ftchat.kernels import hyper, router
 from ftchat.model import qwen4_exp as q
 
@@ -81,29 +82,11 @@ def _layer(t, w, g, fused: bool, tiles=None):
 
 
 def timed_graph(fn, t, ws, gs, iters: int = 30) -> float:
-    """us per call: median replay time of a graph of REPS calls (weight sets cycled) / REPS."""
+    """us per call: a graph of REPS calls, weight sets cycled (graph_timing.graph_us)."""
     def body():
         for i in range(REPS):
             fn(t, ws[i % len(ws)], gs[i % len(gs)])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        body()  # Triton compiles, cuBLAS picks its kernels
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / REPS)
-    return sorted(times)[len(times) // 2]
+    return graph_us(body, REPS, iters)
 
 
 def kernels_of(fn, t, w, g) -> tuple[int, list[str]]:
@@ -170,13 +153,13 @@ def _sweep(t, ws, gs, bs: int) -> tuple[dict, str]:
         print(bs, tiles, times[repr(tiles)], flush=True)
         return times[repr(tiles)]
 
-    downs = [(base.down_rows, base.down_k, base.down_warps), (2, 512, 4), (1, 512, 2),
-             (8, 512, 8), (1, 4096, 4), (2, 4096, 4), (2, 4096, 8), (4, 4096, 8)]
+    downs = [(base.down_rows, base.down_k, base.down_warps), (8, 512, 4), (32, 512, 8),
+             (16, 256, 4), (32, 256, 4), (16, 1024, 8), (8, 1024, 4), (64, 256, 8)]
     d_best = min(downs, key=lambda d: timed(dataclasses.replace(
         base, down_rows=d[0], down_k=d[1], down_warps=d[2])))
     mid = dataclasses.replace(base, down_rows=d_best[0], down_k=d_best[1], down_warps=d_best[2])
-    ups = [(base.up_cols, base.up_k, base.up_warps), (8, 64, 4), (16, 32, 4), (2, 64, 4),
-           (4, 64, 8), (2, 512, 4), (4, 512, 8)]
+    ups = [(base.up_cols, base.up_k, base.up_warps), (8, 512, 8), (2, 512, 2), (2, 512, 4),
+           (4, 64, 4), (8, 128, 4), (16, 512, 8)]
     u_best = min(ups, key=lambda u: timed(dataclasses.replace(
         mid, up_cols=u[0], up_k=u[1], up_warps=u[2])))
     best = dataclasses.replace(mid, up_cols=u_best[0], up_k=u_best[1], up_warps=u_best[2])

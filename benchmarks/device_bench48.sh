@@ -5,7 +5,7 @@
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 case ${1:-resident} in
-  resident) arms="resident;resident:fused=0"; ctx=4k,32k,128k,255k; extra=() ;;
+  resident) arms="resident;resident:fused=0"; ctx=${CTX:-4k,32k,128k,255k}; extra=() ;;
   offload) arms="resident;off;on;on:budget=4"; ctx=32k,255k; extra=(--slots 1650) ;;
 esac
 python3 -m ftchat.cli bench --help > "$O/bench_help.txt" 2>&1

@@ -2,7 +2,7 @@
 # One device call's worth of checks on an H200: the GPU test tier file by file, then the fused
 # kernels' micro-benchmarks (tune: the QSA decode tests and benchmark and the HC tile sweep; verify:
 # issue 15's verify --graph). Logs to $OUT. Usage (one call):
-#   run(command="bash benchmarks/device_run.sh [tests|cache|tune|verify|micro|all]", timeout_s=600)
+#   run(command="bash benchmarks/device_run.sh [tests|cache|tune|verify|gemv|micro|all]", timeout_s=600)
 # The 48-layer decode figures are benchmarks/device_bench48.sh (a call of their own).
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -33,6 +33,14 @@ if [ "$what" = verify ]; then  # issue 15 on the device: verify --graph's GPU te
     --budget 4 --slots 96 --audit-every 64 --graph --json > "$O/verify_demo.json" 2> "$O/verify_demo.err"
   echo "verify demo rc=$?"; tail -2 "$O/verify_demo.err"
   python3 -c "import json, sys; d = json.loads(open(sys.argv[1]).read().splitlines()[-1]); print({k: v for k, v in d.items() if k != 'per_prompt'})" "$O/verify_demo.json"
+fi
+if [ "$what" = gemv ]; then  # session 7: the split HC read and the Triton GEMV, tests then sweeps
+  gpu hyper 150 tests/gpu/test_hyper_router_gpu.py
+  gpu gemv 120 tests/gpu/test_gemv_gpu.py
+  timeout 150 python3 benchmarks/bench_hyper_router.py --bs 1,2 --sweep --out "$O/bench_hyper_router.json" > "$O/bench_hyper_router.log" 2>&1
+  echo "bench_hyper_router rc=$?: $(tail -1 "$O/bench_hyper_router.log" | cut -c1-200)"
+  timeout 150 python3 benchmarks/bench_gemv.py --sweep --out "$O/bench_gemv.json" > "$O/bench_gemv.log" 2>&1
+  echo "bench_gemv rc=$?: $(tail -1 "$O/bench_gemv.log" | cut -c1-200)"
 fi
 if [ "$what" = cache ]; then
   gpu cache_kernels 150 tests/gpu/test_cache_kernels_gpu.py

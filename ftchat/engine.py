@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ftchat.model import embedding
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend
@@ -46,7 +47,8 @@ class LoadedModel:
 def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                progress: Callable[[str, int, int], None] | None = None,
                ple_table: str | None = None) -> LoadedModel:
-    """Read a checkpoint folder: dense weights to `device`, expert rows to host memory.
+    """Read a checkpoint folder: dense weights to `device` (on CUDA the embedding stays in
+    pinned host memory: ftchat/model/embedding.py), expert rows to host memory.
 
     A PLE table over PLE_ON_DEVICE_BYTES stays in host memory in its stored dtype
     (docs/model.md 7.4). ple_table "host": one host tensor, pinned on CUDA, gathered by the
@@ -69,6 +71,8 @@ def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = tor
             dense[name] = t.to(device)
         elif isinstance(t, HostTable) and on_cuda:
             pin(t.data)  # the gather kernel reads it over UVA
+    if embedding.host_placement(device):
+        dense[embedding.EMBED] = embedding.to_host(dense[embedding.EMBED])
     return LoadedModel(a, Weights(dense, a.num_hidden_layers), layout, rows,
                        torch.device(device), dtype)
 

@@ -27,6 +27,7 @@ from ftchat.vram_plan import DEFAULT_CONTEXT  # KV capacity when --context is no
 
 STATS_EVERY_S = 0.5  # backend stats may sync the device: read them at most this often
 TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the next <|im_start|>
+WARM_UP_TOKENS = 8  # the warm-up's prefill: the prompt path once (its kernels compile)
 
 
 def build_experts(model: engine.LoadedModel, settings: Settings) -> ExpertBackend:
@@ -187,6 +188,32 @@ class Session:
                 f"attention), {a.num_experts} experts top-{a.num_experts_per_tok} "
                 f"({m.layout.kind} rows), {m.device.type} {dtype}, context {self.max_len}, "
                 f"experts: {type(self.experts).__name__}")
+
+    def warms_up(self) -> bool:
+        """Whether `warm_up` pays off: CUDA (Triton compiles, graph capture, cuBLAS and allocator
+        first calls) and no debug watcher (a recorder would log the warm-up's tokens)."""
+        return self.model.device.type == "cuda" and not (
+            self.settings.verify or self.settings.audit_every or self.settings.record_routing)
+
+    def warm_up(self, rows: int | None = None) -> float:
+        """Before the first prompt: make the decoder a reply will use (the chat one, or the batch
+        one of `rows` rows; its CUDA graph capture runs the decode kernels once) and prefill a
+        few tokens through the prompt path, then clear the state and the expert cache: replies
+        are those of a cold session, and their prompt eval times the prefill alone. Seconds."""
+        t = time.perf_counter()
+        if rows is None:
+            if self._chat is None:
+                self._chat = engine.Decoder(self.model, self.experts, 1, self.max_len,
+                                            graph=self.settings.use_graph())
+            dec = self._chat
+        else:
+            dec = self._decoder(rows)
+        n = min(WARM_UP_TOKENS, self.max_len)
+        dec.prefill(0, torch.full((n,), self.im_end, dtype=torch.long), 0)
+        dec.reset()  # the state and the expert cache (and its figures)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
+        return time.perf_counter() - t
 
     # ===== prompts =====
     def encode_messages(self, messages: list[dict]) -> list[int]:

@@ -127,22 +127,28 @@ def table_on_device(a: ModelArgs, act: int) -> tuple[int, bool]:
     return n * act, n * act <= PLE_ON_DEVICE_BYTES
 
 
-def dense_items(a: ModelArgs, dtype: torch.dtype) -> list[Item]:
+def dense_items(a: ModelArgs, dtype: torch.dtype, cuda: bool = True) -> list[Item]:
     """The dense weights as load_model leaves them: every float at the model dtype (NVFP4 ones
-    dequantized), int64 buffers kept; the load-time fusions only concatenate (row views)."""
+    dequantized), int64 buffers kept; the load-time fusions only concatenate (row views). On
+    CUDA the embedding stays in pinned host memory (ftchat/model/embedding.py)."""
     act = dtype.itemsize
     by_kind = dict.fromkeys(DENSE_KINDS, 0)
     for name, spec in dense_specs(a).items():
         if SHARD not in name:
             by_kind[dense_kind(name)] += _numel(spec.shape) * (8 if spec.init == "int64" else act)
     by_kind["lm_head"] = a.vocab_size * a.hidden_size * act
+    embed = by_kind["embedding"]
+    if cuda:
+        by_kind["embedding"] = 0
     table, on_device = table_on_device(a, act)
     by_kind["PLE n-gram table"] = table if on_device else 0
     n_gdn = sum(not a.is_attention(i) for i in range(a.num_hidden_layers))
     n_attn = a.num_hidden_layers - n_gdn
     dt = str(dtype).removeprefix("torch.")
     notes = {
-        "embedding": f"[{a.vocab_size}, {a.hidden_size}] at {dt} (a decode step reads one row)",
+        "embedding": (f"in host memory (pinned; [{a.vocab_size}, {a.hidden_size}] at {dt}, "
+                      f"{embed / GIB:,.2f} GiB): a decode step reads one row over UVA, 0 B of "
+                      "VRAM" if cuda else f"[{a.vocab_size}, {a.hidden_size}] at {dt}"),
         "lm_head": f"[{a.vocab_size}, {a.hidden_size}] at {dt}",
         "GDN projections": f"{n_gdn} GDN layers: in_proj qkv/z/b/a, out_proj, conv1d, A_log, "
                            f"dt_bias at {dt} (NVFP4 ones dequantized at load)",
@@ -356,7 +362,7 @@ def plan(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Workload, slots
     Order: dense weights, the estimates, the decode state, the backend, the slot bank last. A
     refusal names the item where the running sum passes the budget, so a context too long for
     the budget is pinned on the (exact) KV item, not on an estimate that follows it."""
-    items = [*dense_items(a, dtype), *workspace_items(a, layout, dtype, w),
+    items = [*dense_items(a, dtype, w.cuda), *workspace_items(a, layout, dtype, w),
              *state_items(a, dtype, w), *expert_side_items(a, layout, dtype, w, slots),
              bank_item(layout, w, slots)]
     return VramPlan(tuple(items), slots, layout.nbytes, a.num_hidden_layers * a.num_experts,

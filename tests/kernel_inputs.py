@@ -99,3 +99,40 @@ def expected_copy(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: i
     for i in range(count):
         want[int(dst[i])] = host[int(src[i])]
     return want
+
+
+# ===== the Triton kernel test files (tests/gpu) =====
+
+
+def kernel_device(device: str, interpret: bool, has_triton: bool):
+    """Body of the kernel test files' autouse fixture (use with `yield from`): checks that the
+    chosen device can run the kernels; on CUDA it runs the test with the references' cuBLAS at
+    fp32 sums of exact products, as on the CPU (no reduced-precision bf16 reduction, no TF32)."""
+    assert has_triton, "these tests need triton"
+    if device == "cpu":
+        assert interpret, "FTCHAT_TEST_DEVICE=cpu needs TRITON_INTERPRET=1 (the interpreter)"
+        yield
+        return
+    assert not interpret and torch.cuda.is_available(), \
+        "no CUDA: set FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 to run on CPU"
+    mm = torch.backends.cuda.matmul
+    old = mm.allow_bf16_reduced_precision_reduction, mm.allow_tf32
+    mm.allow_bf16_reduced_precision_reduction = mm.allow_tf32 = False
+    try:
+        yield
+    finally:
+        mm.allow_bf16_reduced_precision_reduction, mm.allow_tf32 = old
+
+
+def capture(step):
+    """(graph, outputs): step() once on a side stream (Triton compiles outside the capture),
+    then captured into a CUDA graph; replay it after changing step's inputs in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out

@@ -77,6 +77,15 @@ def test_dense_items_of_the_in_memory_synthetic_model():
         k: v for k, v in items(p).items() if k in vp.DENSE_KINDS}
 
 
+def test_on_cuda_the_embedding_takes_no_vram(tiny_bf16):
+    # load_model keeps it in pinned host memory on CUDA (tests/gpu/test_embedding_gpu.py)
+    a, layout = vp.checkpoint_inputs(tiny_bf16)
+    cpu, cuda = (items(vp.plan(a, layout, F32, vp.Workload(64, cuda=c), 20)) for c in (False, True))
+    assert cpu["embedding"] == a.vocab_size * a.hidden_size * 4 and cuda["embedding"] == 0
+    others = [k for k in vp.DENSE_KINDS if k != "embedding" and k in cpu]
+    assert others and all(cpu[k] == cuda[k] for k in others)  # the other weights do not move
+
+
 def test_dense_items_control_a_wrong_dtype_is_seen(tiny_bf16):
     # control: the comparison sees a plan made for the wrong dtype
     a, layout = vp.checkpoint_inputs(tiny_bf16)

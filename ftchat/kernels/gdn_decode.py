@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
 
 # ===== device helpers =====
 
@@ -81,18 +82,6 @@ def _shift_store(conv, ch, win, KC: tl.constexpr, KCP: tl.constexpr):
 def _l2norm(x):
     # eps fixed at 1e-6 (ARCH.md section 2), not rms_norm_eps
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
-
-
-@_jit
-def _last_to_arrive(cnt, n: tl.constexpr):
-    # whether this program is the last of the n sharing counter cnt; the barrier first makes the
-    # CTA's earlier loads and stores happen before thread 0's release (acq_rel) atomic
-    if n == 1:
-        last = True
-    else:
-        tl.debug_barrier()
-        last = tl.atomic_add(cnt, 1, sem="acq_rel") == n - 1
-    return last
 
 
 # ===== kernel =====
@@ -172,18 +161,6 @@ def _gdn_decode_kernel(proj_ptr, conv_ptr, wc_ptr, s_ptr, alog_ptr, dtb_ptr, nw_
 
 # ===== wrapper =====
 
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> Tensor:
-    # int32 [n] zeros, one buffer per (device, size), never freed: a captured graph keeps using
-    # its address, and every launch leaves it zero. Launches sharing it must be stream-ordered.
-    key = (device, n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def gdn_decode_supported(dims: tuple[int, int, int, int]) -> bool:
     """Whether the kernel handles (Hk, Hv, dk, dv): power-of-two head dims, Hk divides Hv."""
     Hk, Hv, dk, dv = dims
@@ -229,7 +206,7 @@ def gdn_decode_step(proj: Tensor, conv_state: Tensor, S: Tensor, conv_w: Tensor,
     assert dv % bv == 0 and bv & (bv - 1) == 0
     num_warps = num_warps or min(16, max(4, dk * bv // 1024))
     out = torch.empty(B, Hv * dv, dtype=proj.dtype, device=proj.device)
-    cnt = _counters(proj.device, B * (Hk + Hv))
+    cnt = counters(proj.device, B * (Hk + Hv), "gdn")
     _gdn_decode_kernel[(B * Hv, dv // bv)](
         proj.contiguous(), conv_state, conv_w.reshape(C, Kc).contiguous(), S, A_log, dt_bias,
         norm_w, out, cnt, conv_state.stride(0), S.stride(0), float(eps),

@@ -1,31 +1,35 @@
 """Hyper-connection read (mix) and write for decode in two Triton kernels (one for a write alone).
 
 The read (ARCH.md section 3.1) of R [rows, hc*D], optionally after the previous block's pending
-write R' = R + s_prev * y (the "write fold": it costs no kernel of its own):
-  kernel 1, grid (cdiv(NOUT, BLOCK_N), hc): program (p, g) computes R'_g and its RMS statistic
-    (stream g's D columns, every row; each output-row block recomputes it), Rn_g = R'_g * rstd_g *
-    (1 + w_g), and the partial product of Rn_g with [W_down; W_inj][p-block, g's columns]
-    (NOUT = lowrank + hc rows, read from the two weight tensors; no concatenated copy) -> part
-    [hc, rows, NOUT] fp32, rstd [rows, hc] fp32.
-  kernel 2, grid (cdiv(D, BLOCK_D),): sums the hc partials in stream order, m = silu(d / hc);
-    u = W_up[4 streams x BLOCK_D rows] . m, sigmoid; recomputes R' and Rn for those columns,
-    x = mean_i sigmoid(u_i) * Rn_i; stores x, R' (its columns: the programs cover R' once) and,
-    in program 0, s = 2 sigmoid(d_inj / hc).
-Splitting the down GEMV by stream makes every program need only its own stream's statistic and
-gives 4x the programs of a row-only split (the weights stream from HBM in parallel).
+write R' = R + s_prev * y (the "write fold": it costs no kernel of its own), split-K:
+  kernel 1, grid (cdiv(NOUT, BLOCK_N), hc * chunks): program (p, k) loads one [BLOCK_N, BLOCK_K]
+    tile of [W_down; W_inj] (NOUT = lowrank + hc rows, read from the two weight tensors; no
+    concatenated copy) for chunk k of one stream, and per row stores the chunk's sum of R'^2 and
+    the partial product of R' (1 + w) with the tile. No program waits for the RMS statistic:
+    Rn . W = rstd_g * (R' (1 + w)) . W over stream g. The last program of row block p to finish
+    (a counter; deterministic, no float atomics) sums its chunks in a fixed order: rstd per
+    stream, d = sum rstd * partial, then m = silu(d / hc) -> [rows, L] and s = 2 sigmoid(d / hc).
+  kernel 2, grid (cdiv(D, BLOCK_D),): u = W_up[hc streams x BLOCK_D rows] . m, sigmoid;
+    recomputes R' and Rn for those columns, x = mean_i sigmoid(u_i) * Rn_i; stores x and R' (its
+    columns: the programs cover R' once).
+Every program of kernel 1 issues its whole tile load at once (16 KB at the default tiles) and 420
+of them run at the real geometry. Session 6's kernel 1 (split by stream only, each program first
+summing its stream's statistic, then looping over its columns) took 22.1 us for a write + read at
+bs 1 against 15.8 us for this pair (H200, one process: docs/performance.md, session 7).
 
-Numerics mirror the torch reference (`hc_read_ref` / `hc_write_ref` in ftchat/model/qwen4_exp.py):
-every value torch rounds to the model dtype (R', Rn, each GEMV output, d / hc, silu, sigmoid,
-each product, the mean) is rounded here at the same point (round to nearest even, done with bit
-arithmetic: the GPU's cast does the same, the interpreter's does not); the RMS statistic,
-GEMV accumulation and the stream sums are fp32. Only summation orders differ: fp32 x and s agree
-to 1e-5 of the largest (measured 2.4e-7), bf16 within one bf16 ulp per element plus half an ulp
-of the largest (a GEMV output rounding the other way moves x by about an ulp; measured
-bit-identical on CPU); R' (elementwise) is bit-identical. The kernels launch with
-`enable_fp_fusion=False` so no multiply-add is contracted into an FMA that torch does not do.
-Legend: rows = B*T (<= HC_MAX_ROWS), D hidden, hc streams, C = hc*D, L low rank, NOUT = L (+ hc).
+Numerics against the torch reference (`hc_read_ref` / `hc_write_ref` in ftchat/model/qwen4_exp.py):
+every value torch rounds to the model dtype (R', each GEMV output, d / hc, silu, sigmoid, each
+product, the mean; Rn where x is formed) is rounded here at the same point (round to nearest
+even, done with bit arithmetic: the GPU's cast does the same, the interpreter's does not), except
+Rn as the down GEMV's input: it enters the fp32 sum unrounded (the statistic factors out), which
+is closer to exact math than torch's bf16 Rn. The RMS statistic, GEMV accumulation and the
+stream sums are fp32. Hence: fp32 x and s agree to 1e-5 of the largest (summation order;
+measured 2.4e-7); bf16 within one bf16 ulp per element plus half an ulp of the largest (a GEMV
+output rounding the other way moves x by about an ulp); R' (elementwise) is bit-identical. The
+kernels launch with `enable_fp_fusion=False` so no multiply-add is contracted into an FMA that
+torch does not do. Legend: rows = B*T (<= HC_MAX_ROWS), D hidden, hc streams, C = hc*D, L low
+rank, NOUT = L (+ hc).
 """
-
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,16 +38,17 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
 
-HC_MAX_ROWS = 8  # decode batches; kernel 1 recomputes Rn per program, a cost that grows with rows
+HC_MAX_ROWS = 8  # decode batches: the kernels loop over rows, reusing each weight tile
 
 
 @dataclass(frozen=True)
 class HcTiles:
-    """Tile sizes (powers of two); fixed per row count, not autotuned (decode runs in a graph)."""
+    """Tile sizes (powers of two); fixed, not autotuned (decode runs in a graph)."""
 
     down_rows: int  # BLOCK_N: [W_down; W_inj] rows per program of kernel 1
-    down_k: int  # BLOCK_K: reduction step over a stream's D columns
+    down_k: int  # BLOCK_K: columns of a chunk of kernel 1 (one stream's; one load)
     down_warps: int
     up_cols: int  # BLOCK_D: x columns per program of kernel 2 (it reads hc * as many W_up rows)
     up_k: int  # BLOCK_L: reduction step over the low rank
@@ -52,15 +57,12 @@ class HcTiles:
 
 
 def default_tiles(rows: int) -> HcTiles:
-    # about 32 fp32 accumulators per thread at 4 warps: rows * BLOCK_N * BLOCK_K <= 4096 and
-    # rows * 4 * BLOCK_D * BLOCK_L <= 4096 (rows padded to a power of two). At D=2560, L=320:
-    # kernel 1 has 81 x 4 = 324 programs, kernel 2 has 640 (bs <= 2) or 320.
-    # For rb == 2 (bs 1, 2) kernel 2 takes 4 columns x 64 low-rank steps: the H200
-    # sweep's best, 22.6 / 22.0 us for a write + read at bs 1 / 2 against 29.4 / 27.1 us for 16 x
-    # 32 (`bench_hyper_router.py --sweep`, docs/performance.md); kernel 1's default won its sweep.
-    rb = _rows_block(rows)
-    return HcTiles(down_rows=4, down_k=1024 // rb, down_warps=4, up_cols=4 if rb == 2 else 8,
-                   up_k=64 if rb == 2 else 128 // rb, up_warps=4)
+    # split read: kernel 1 takes 16 output rows x 512-column chunks (21 x 20 = 420 programs at
+    # D=2560, L=320, each one 16 KB tile load), kernel 2 4 columns x the whole low rank in one
+    # step (640 programs, 16 x 320 weights each); rows loop inside, reusing the tile. Not swept
+    # on the device yet (session 7 had no device time left for it)
+    del rows
+    return HcTiles(down_rows=16, down_k=512, down_warps=4, up_cols=4, up_k=512, up_warps=4)
 
 
 # ===== device helpers =====
@@ -99,17 +101,6 @@ def _normed(v, rstd, nw_ptr, stream, j, j_ok, D: tl.constexpr, BF16: tl.constexp
 
 
 @_jit
-def _down_out(part_ptr, b, cols, ok, rows, HC: tl.constexpr, NOUT: tl.constexpr,
-              BF16: tl.constexpr):
-    # d / hc for [W_down; W_inj] output columns `cols`: the hc stream partials summed in order,
-    # the GEMV output rounded to the model dtype, divided, rounded (torch's F.linear, then / hc)
-    d = tl.load(part_ptr + b * NOUT + cols, mask=ok, other=0.0)
-    for g in tl.static_range(1, HC):
-        d += tl.load(part_ptr + (g * rows + b) * NOUT + cols, mask=ok, other=0.0)
-    return _rnd(tl.div_rn(_rnd(d, BF16), HC * 1.0), BF16)
-
-
-@_jit
 def _sigmoid(x):
     return tl.div_rn(1.0, 1.0 + tl.exp(-x))  # torch's formula, IEEE division
 
@@ -118,97 +109,105 @@ def _sigmoid(x):
 
 
 @_jit
-def _mix_down_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, rstd_ptr, rows, eps,
-                     D: tl.constexpr, HC: tl.constexpr, L: tl.constexpr, NOUT: tl.constexpr,
-                     ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """HC read, part 1. Grid (cdiv(NOUT, BLOCK_N), HC); R, y, s -> part [HC, rows, NOUT] fp32,
-    rstd [rows, HC] fp32. Program (p, g): pass 1 sums R'^2 over stream g's D columns (every row;
-    R' = R + s * y when ADD) for rstd = 1 / sqrt(mean + eps); pass 2 forms Rn = R' rstd (1 + w)
-    rounded to the model dtype and accumulates Rn . [W_down; W_inj][rows p*BLOCK_N.., g's cols]
-    in fp32 (one tile of BLOCK_N weight rows x BLOCK_K per step, all rows at once). Exact but
-    for the fp32 summation order (of the statistic and of each partial dot product).
+def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss_ptr, m_ptr,
+                       sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D: tl.constexpr, HC: tl.constexpr,
+                       L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
+                       BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr):
+    """HC read, part 1 (split). Grid (cdiv(NOUT, BLOCK_N), HC * CPS): program (p, k) takes chunk
+    k of C (BLOCK_K columns of stream k // CPS), loads its [BLOCK_N, BLOCK_K] tile of
+    [W_down; W_inj] once, and for every row stores sum(R'^2) over the chunk (ss [NB, NS, RB]) and
+    the partial product of R' (1 + w) with the tile (part [NS, RB, NOUT]): the statistic is not
+    needed yet, since Rn . W = rstd * (R' (1 + w)) . W per stream. The last of the NS programs of
+    row block p (a counter, left zero) sums its chunks: rstd per stream, d = sum over chunks of
+    rstd * part, then torch's roundings: m = silu(d / hc) -> m [RB, L] (fp32), s = 2 sigmoid(d /
+    hc) -> s_out; block 0 stores rstd [RB, HC].
     """
-    p, g = tl.program_id(0), tl.program_id(1)
-    b = tl.arange(0, RB)[:, None]  # [RB, 1]
-    b_ok = b < rows
-    kk = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
-    # pass 1: stream g's statistic, fp32 (sum / D, then IEEE 1 / sqrt as torch's CPU rsqrt)
-    ss = tl.zeros([RB, BLOCK_K], dtype=tl.float32)
-    for kb in range(0, D, BLOCK_K):
-        v = _updated(r_ptr, y_ptr, s_ptr, b, g, kb + kk, b_ok & (kb + kk < D), D, HC, ADD, BF16)
-        ss += v * v
-    ms = tl.div_rn(tl.sum(ss, axis=1), D * 1.0)[:, None]  # [RB, 1]
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
-    tl.store(rstd_ptr + b * HC + g, rstd, mask=b_ok & (b * 0 + p == 0))
-    # pass 2: Rn_g times the weight rows of this block (down rows < L, then the inject rows)
-    n = (p * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]  # [BLOCK_N, 1]
-    acc = tl.zeros([RB, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for kb in range(0, D, BLOCK_K):
-        k = kb + kk
-        ok = b_ok & (k < D)  # [RB, BLOCK_K]
-        rn = _normed(_updated(r_ptr, y_ptr, s_ptr, b, g, k, ok, D, HC, ADD, BF16), rstd, nw_ptr,
-                     g, k, k < D, D, BF16)
-        col = g * D + k
-        w = tl.load(wd_ptr + n * (HC * D) + col, mask=(n < L) & (k < D), other=0.0)
-        if NOUT > L:  # disjoint masks: each element comes from exactly one of the two loads
-            w += tl.load(wi_ptr + (n - L) * (HC * D) + col, mask=(n >= L) & (n < NOUT) & (k < D),
-                         other=0.0)
-        acc += rn[:, None, :] * w.to(tl.float32)[None, :, :]
-    part = tl.sum(acc, axis=2)  # [RB, BLOCK_N]
-    n_row = p * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-    tl.store(part_ptr + (g * rows + b) * NOUT + n_row, part, mask=b_ok & (n_row < NOUT))
+    p, k = tl.program_id(0), tl.program_id(1)
+    NS: tl.constexpr = HC * CPS
+    g = k // CPS
+    j = (k % CPS) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] columns of stream g
+    j_ok = j < D
+    n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output rows
+    n2, col = n[:, None], (g * D + j)[None, :]
+    w = tl.load(wd_ptr + n2 * (HC * D) + col, mask=(n2 < L) & j_ok[None, :], other=0.0)
+    if NOUT > L:  # disjoint masks: each element comes from exactly one of the two loads
+        w += tl.load(wi_ptr + (n2 - L) * (HC * D) + col,
+                     mask=(n2 >= L) & (n2 < NOUT) & j_ok[None, :], other=0.0)
+    w = w.to(tl.float32)
+    w1 = 1.0 + tl.load(nw_ptr + g * D + j, mask=j_ok, other=0.0).to(tl.float32)
+    for bi in tl.static_range(RB):
+        if bi < rows:
+            v = _updated(r_ptr, y_ptr, s_ptr, bi, g, j, j_ok, D, HC, ADD, BF16)  # R' [BLOCK_K]
+            tl.store(ss_ptr + (p * NS + k) * RB + bi, tl.sum(v * v, axis=0))
+            part = tl.sum(w * (v * w1)[None, :], axis=1)  # [BLOCK_N]
+            tl.store(part_ptr + (k * RB + bi) * NOUT + n, part, mask=n < NOUT)
+    cnt = cnt_ptr + p
+    if _last_to_arrive(cnt, NS):
+        c = tl.arange(0, NSP)  # chunk ids; chunk c belongs to stream c // CPS
+        c_ok, cs = c < NS, c // CPS
+        for bi in tl.static_range(RB):
+            if bi < rows:
+                ss = tl.load(ss_ptr + (p * NS + c) * RB + bi, mask=c_ok, other=0.0,
+                             cache_modifier=".cg")
+                rc = tl.zeros([NSP], dtype=tl.float32)  # each chunk's stream's rstd
+                for gg in tl.static_range(HC):
+                    ms = tl.div_rn(tl.sum(tl.where(cs == gg, ss, 0.0), axis=0), D * 1.0)
+                    rstd = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+                    rc = tl.where(cs == gg, rstd, rc)
+                    if p == 0:
+                        tl.store(rstd_ptr + bi * HC + gg, rstd)
+                pt = tl.load(part_ptr + (c[:, None] * RB + bi) * NOUT + n[None, :],
+                             mask=c_ok[:, None] & (n[None, :] < NOUT), other=0.0,
+                             cache_modifier=".cg")  # [NSP, BLOCK_N]
+                d = tl.sum(pt * rc[:, None], axis=0)  # the GEMV output, fp32
+                d = _rnd(tl.div_rn(_rnd(d, BF16), HC * 1.0), BF16)
+                tl.store(m_ptr + bi * L + n, _rnd(tl.div_rn(d, 1.0 + tl.exp(-d)), BF16),
+                         mask=n < L)  # silu, torch's formula
+                if NOUT > L:
+                    sv = 2.0 * _rnd(_sigmoid(d), BF16)
+                    tl.store(sout_ptr + bi * HC + (n - L), sv.to(sout_ptr.dtype.element_ty),
+                             mask=(n >= L) & (n < NOUT))
+        tl.store(cnt, 0)
 
 
 @_jit
-def _mix_up_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, part_ptr, rstd_ptr, x_ptr, rout_ptr,
-                   sout_ptr, rows, D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr,
-                   L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr, BF16: tl.constexpr,
-                   RB: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
-    """HC read, part 2. Grid (cdiv(D, BLOCK_D),); part, rstd (+ R, y, s) -> x [rows, D],
-    R' [rows, C] (when ADD), s [rows, HC] (when NOUT > L). Per step of BLOCK_L low-rank columns:
-    d = the hc partials summed in stream order, rounded, / hc, rounded; m = silu(d), rounded; the
-    tile of W_up rows (hc streams x BLOCK_D columns) accumulates m . W_up in fp32. Then
-    u -> sigmoid, both rounded; R' and Rn recomputed for these columns (bit-identical to part 1's);
-    x = sum over streams of round(sigmoid(u) * Rn), / hc, rounded. Program 0 also stores
-    s = 2 sigmoid(d_inj / hc). Every rounding is torch's; fp32 summation order is the only
-    difference (tolerances: module docstring).
+def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
+                     D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
+                     ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    """HC read, part 2 (split). Grid (cdiv(D, BLOCK_D),); m, rstd (+ R, y, s) -> x [rows, D],
+    R' [rows, C] (when ADD). Per row: u = W_up[hc streams x BLOCK_D columns] . m (fp32, BLOCK_L
+    low-rank columns a step: one step when BLOCK_L >= L), rounded; sigmoid, rounded; R' and Rn
+    for these columns (R' bit-identical to part 1's); x = sum over streams of round(sigmoid(u) *
+    Rn), / hc, rounded.
     """
     p = tl.program_id(0)
-    b = tl.arange(0, RB)[:, None]  # [RB, 1]
-    b_ok = b < rows
     c = tl.arange(0, HCP * BLOCK_D)  # tile row c: stream c // BLOCK_D, column p*BLOCK_D + c % ..
     stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
     c_ok = (stream < HC) & (j < D)
     w_row = (stream * D + j)[:, None]  # [HCP*BLOCK_D, 1] rows of W_up
-    ll = tl.arange(0, BLOCK_L)[None, :]  # [1, BLOCK_L]
-    acc = tl.zeros([RB, HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
-    for lb in range(0, L, BLOCK_L):
-        lo = lb + ll
-        d = _down_out(part_ptr, b, lo, b_ok & (lo < L), rows, HC, NOUT, BF16)  # [RB, BLOCK_L]
-        m = _rnd(tl.div_rn(d, 1.0 + tl.exp(-d)), BF16)  # silu, torch's formula
-        w = tl.load(wu_ptr + w_row * L + lo, mask=c_ok[:, None] & (lo < L), other=0.0)
-        acc += m[:, None, :] * w.to(tl.float32)[None, :, :]
-    u = _rnd(tl.sum(acc, axis=2), BF16)  # [RB, HCP*BLOCK_D]
-    mix = _rnd(_sigmoid(u), BF16)
-    ok = b_ok & c_ok[None, :]
-    st, jj = stream[None, :], j[None, :]
-    v = _updated(r_ptr, y_ptr, s_ptr, b, st, jj, ok, D, HC, ADD, BF16)  # R' [RB, HCP*BLOCK_D]
-    rstd = tl.load(rstd_ptr + b * HC + st, mask=ok, other=0.0)
-    prod = _rnd(mix * _normed(v, rstd, nw_ptr, st, jj, c_ok[None, :], D, BF16), BF16)  # 0 if not ok
-    xs = tl.sum(tl.reshape(prod, (RB, HCP, BLOCK_D)), axis=1)  # [RB, BLOCK_D] over streams
-    xj = p * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]
-    tl.store(x_ptr + b * D + xj, _rnd(tl.div_rn(xs, HC * 1.0), BF16).to(x_ptr.dtype.element_ty),
-             mask=b_ok & (xj < D))
-    if ADD:  # this program's columns of R' (every column of C belongs to exactly one program)
-        tl.store(rout_ptr + b * (HC * D) + st * D + jj, v.to(rout_ptr.dtype.element_ty), mask=ok)
-    if NOUT > L:  # injection s = 2 sigmoid(d / hc); every program computes it, program 0 stores
-        h = tl.arange(0, HCP)[None, :]
-        s_ok = b_ok & (h < HC)
-        d = _down_out(part_ptr, b, L + h, s_ok, rows, HC, NOUT, BF16)
-        s = 2.0 * _rnd(_sigmoid(d), BF16)
-        tl.store(sout_ptr + b * HC + h, s.to(sout_ptr.dtype.element_ty),
-                 mask=s_ok & (h * 0 + p == 0))
+    ll = tl.arange(0, BLOCK_L)
+    xj = p * BLOCK_D + tl.arange(0, BLOCK_D)
+    for bi in tl.static_range(RB):
+        if bi < rows:
+            acc = tl.zeros([HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
+            for lb in range(0, L, BLOCK_L):
+                lo = lb + ll
+                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0)
+                w = tl.load(wu_ptr + w_row * L + lo[None, :],
+                            mask=c_ok[:, None] & (lo < L)[None, :], other=0.0)
+                acc += w.to(tl.float32) * m[None, :]
+            mix = _rnd(_sigmoid(_rnd(tl.sum(acc, axis=1), BF16)), BF16)  # [HCP*BLOCK_D]
+            v = _updated(r_ptr, y_ptr, s_ptr, bi, stream, j, c_ok, D, HC, ADD, BF16)  # R'
+            rstd = tl.load(rstd_ptr + bi * HC + stream, mask=c_ok, other=0.0)
+            prod = _rnd(mix * _normed(v, rstd, nw_ptr, stream, j, c_ok, D, BF16), BF16)
+            xs = tl.sum(tl.reshape(prod, (HCP, BLOCK_D)), axis=0)  # [BLOCK_D] over streams
+            tl.store(x_ptr + bi * D + xj,
+                     _rnd(tl.div_rn(xs, HC * 1.0), BF16).to(x_ptr.dtype.element_ty), mask=xj < D)
+            if ADD:  # this program's columns of R' (every column of C belongs to one program)
+                tl.store(rout_ptr + bi * (HC * D) + stream * D + j,
+                         v.to(rout_ptr.dtype.element_ty), mask=c_ok)
 
 
 @_jit
@@ -274,19 +273,26 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
         y2 = s2 = R2  # unused
     NOUT = L + (hc if inject else 0)
     dev = R.device
-    part = torch.empty(hc, rows, NOUT, dtype=torch.float32, device=dev)
-    rstd = torch.empty(rows, hc, dtype=torch.float32, device=dev)
     x = torch.empty(rows, D, dtype=R.dtype, device=dev)
     r_out = torch.empty_like(R2) if add else R2
     s_out = torch.empty(rows, hc, dtype=R.dtype, device=dev) if inject else x
     t = tiles or default_tiles(rows)
-    common = dict(D=D, HC=hc, L=L, NOUT=NOUT, ADD=add, BF16=_bf16(R.dtype),
-                  RB=_rows_block(rows), enable_fp_fusion=t.fp_fusion)
-    _mix_down_kernel[(triton.cdiv(NOUT, t.down_rows), hc)](
-        R2, y2, s2, nw, wd, wi, part, rstd, rows, eps, BLOCK_N=t.down_rows,
-        BLOCK_K=_step(D, t.down_k), num_warps=t.down_warps, **common)
-    _mix_up_kernel[(triton.cdiv(D, t.up_cols),)](
-        R2, y2, s2, nw, wu, part, rstd, x, r_out, s_out, rows, HCP=triton.next_power_of_2(hc),
+    rb = _rows_block(rows)
+    common = dict(D=D, HC=hc, L=L, ADD=add, BF16=_bf16(R.dtype), RB=rb,
+                  enable_fp_fusion=t.fp_fusion)
+    block_k = min(t.down_k, triton.next_power_of_2(D))
+    cps = triton.cdiv(D, block_k)  # chunks per stream
+    nb, ns = triton.cdiv(NOUT, t.down_rows), hc * cps
+    part = torch.empty(ns, rb, NOUT, dtype=torch.float32, device=dev)
+    ss = torch.empty(nb, ns, rb, dtype=torch.float32, device=dev)
+    m = torch.empty(rb, L, dtype=torch.float32, device=dev)
+    rstd = torch.empty(rb, hc, dtype=torch.float32, device=dev)
+    _down_split_kernel[(nb, ns)](
+        R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, counters(dev, nb, "hc"), rows, eps,
+        NOUT=NOUT, BLOCK_N=t.down_rows, BLOCK_K=block_k, CPS=cps, NSP=triton.next_power_of_2(ns),
+        num_warps=t.down_warps, **common)
+    _up_split_kernel[(triton.cdiv(D, t.up_cols),)](
+        R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, HCP=triton.next_power_of_2(hc),
         BLOCK_D=t.up_cols, BLOCK_L=_step(L, t.up_k), num_warps=t.up_warps, **common)
     return (r_out.view(R.shape), x.view(*lead, D),
             s_out.view(*lead, hc) if inject else None)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import use_fused
+from ftchat.kernels import gemv, use_fused
 from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import fuse_layers, fuse_rows, gated_rms_norm, l2norm
@@ -134,7 +134,7 @@ def gdn_decode_fused(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: Model
         proj = torch.cat([F.linear(x[:, 0], w[n]) for n in PROJECTIONS], dim=-1)
     o = gdn_decode_step(proj, conv_state, S, w["conv1d.weight"], w["A_log"], w["dt_bias"],
                         w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type)
-    return F.linear(o, w["out_proj.weight"])[:, None]  # [B, 1, D]
+    return gemv.linear(o, w["out_proj.weight"])[:, None]  # [B, 1, D]
 
 
 def _dims(a: ModelArgs) -> tuple[int, int, int, int]:

@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import use_fused
+from ftchat.kernels import gemv, use_fused
 from ftchat.kernels.qsa_decode import (QsaDims, qsa_attention, qsa_decode_supported, qsa_prep,
                                        qsa_rank_keys)
+from ftchat.kernels.topk_select import topk_keys
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import apply_rope, fuse_layers, fuse_rows, rms_norm, rope_cos_sin
 
@@ -322,13 +323,13 @@ def fused_projection(x: Tensor, w: dict) -> Tensor:
 def select_blocks_fused(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelArgs
                         ) -> tuple[Tensor, Tensor]:
     """(block indices [B, K], ranking keys [B, K]; a key < 0 marks no block) of `select_blocks`:
-    scores and keys in one kernel, the same torch.topk over the same keys (unsorted: the attention
-    does not care about the order). iq [B, Hi, di]; kbar [B, Nmax, di]; pos [B, 1]."""
+    scores and keys in one kernel, then the exact top-k of the same keys (the set torch.topk
+    gives, in ascending block order: ftchat/kernels/topk_select.py). iq [B, Hi, di]; kbar
+    [B, Nmax, di]; pos [B, 1]."""
     r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
     N = min(kv_len // r, kbar.shape[1])
     keys = qsa_rank_keys(iq, kbar, pos, N, r)  # [B, N]
-    best = torch.topk(keys, min(top, N), dim=-1, sorted=False)
-    return best.indices, best.values
+    return topk_keys(keys, min(top, N))  # the radix select (ascending block index)
 
 
 def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,
@@ -345,7 +346,7 @@ def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len:
     hd = a.head_dim
     gate = proj[:, : dims.heads * 2 * hd].unflatten(-1, (dims.heads, 2 * hd))[..., hd:]  # [B, Hq, hd]
     o = qsa_attention(q, gate, cache["k"], cache["v"], pos, dims, blocks=blocks, block_keys=keys)
-    return F.linear(o, w["o_proj.weight"])[:, None]
+    return gemv.linear(o, w["o_proj.weight"])[:, None]
 
 
 # ===== torch path and reference =====

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import hyper, router, use_fused
+from ftchat.kernels import gemv, hyper, router, use_fused
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend, SharedOut
+from ftchat.model.embedding import EMBED, embed
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import SHARED_FUSED, fuse_moe_layers, rms_norm, shared_expert_ref
 from ftchat.model.ple import ple_layer
@@ -131,9 +132,9 @@ def shared_expert_parts(x: Tensor, w: dict) -> SharedOut:
     """The shared expert before its gate, for CUDA decode: one GEMV on [gate | up | gate logit]
     [2I + 1, D], silu(g) * u in one kernel, the down GEMV. x [N, D] -> down [N, D], logit [N, 1]."""
     down_w = w["shared_expert.down_proj.weight"]  # [D, I]
-    gu = F.linear(x, w[SHARED_FUSED])  # [N, 2I + 1]
+    gu = gemv.linear(x, w[SHARED_FUSED])  # [N, 2I + 1]
     h = ek.shared_act_triton(gu, down_w.shape[1])  # [N, I]
-    return SharedOut(F.linear(h, down_w), gu[:, 2 * down_w.shape[1]:])
+    return SharedOut(gemv.linear(h, down_w), gu[:, 2 * down_w.shape[1]:])
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,
@@ -143,7 +144,7 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
     The state rows (views) advance in place: KV, conv, recurrent, PLE context. Attention reads
     the first kv_len cache entries (> every position in pos).
     """
-    x = W["embed_tokens.weight"][tokens]  # [B, T, D]
+    x = embed(W[EMBED], tokens)  # [B, T, D]; the table may sit in pinned host memory
     R = x.repeat(1, 1, a.hc_count)  # [B, T, hc*D]
     y = s = None  # the last block's output and injection: its write R += s*y rides in the next read
     for i in range(a.num_hidden_layers):

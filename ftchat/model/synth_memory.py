@@ -23,7 +23,7 @@ from torch import Tensor
 
 from ftchat.engine import PLE_ON_DEVICE_BYTES, LoadedModel
 from ftchat.errors import FtchatError
-from ftchat.model import synth
+from ftchat.model import embedding, synth
 from ftchat.model.config import ModelArgs
 from ftchat.model.qwen4_exp import Weights
 from ftchat.model.rows import RowLayout
@@ -68,6 +68,8 @@ def synthetic_model(preset: str, layers: int | None = None, fmt: str = "bf16",
     for name, parts in shards.items():
         dense[name] = _table(parts, device, dtype)
     dense[synth.LM_HEAD] = head
+    if embedding.host_placement(device):  # as load_model
+        dense[embedding.EMBED] = embedding.to_host(dense[embedding.EMBED])
     return LoadedModel(args, Weights(dense, args.num_hidden_layers), layout, host, device, dtype)
 
 

@@ -44,6 +44,7 @@ from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
 
 DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
 VARIANTS = ("v1", "v2", "v3")
@@ -330,18 +331,6 @@ def _combine_tile(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, t, cols
     tl.store(out_ptr + t * D + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@_jit
-def _last_to_arrive(cnt, n: tl.constexpr):
-    # whether this program is the last of the n sharing counter cnt; the barrier first makes the
-    # CTA's earlier stores happen before thread 0's release (acq_rel) atomic
-    if n == 1:
-        last = True
-    else:
-        tl.debug_barrier()
-        last = tl.atomic_add(cnt, 1, sem="acq_rel") == n - 1
-    return last
-
-
 # ===== kernels: gate_up + silu * up, down, weighted sum over k =====
 
 
@@ -501,18 +490,6 @@ def _gemv_args(layout: RowLayout, part: str, n: int, cap: int) -> dict:
                 G_OFF=_offset(layout, part + "_global", 4), BLOCK_R=step, EVEN=even)
 
 
-_COUNTERS: dict[tuple[torch.device, int], Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> Tensor:
-    # [n] int32 zeros for the v2 down kernel, one buffer per size, never freed (a captured graph
-    # keeps its address); every launch leaves it zero
-    key = (device, n)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(n, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
-
-
 def _shared_args(x: Tensor, shared: SharedOut | None) -> dict:
     # the combine's optional inputs: down_s [T, D] and the gate logit column (row stride GL_STRIDE)
     if shared is None:  # unused pointers (SHARED=False never reads them)
@@ -576,7 +553,7 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
         x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=tiles.gate_up_warps,
         ASM=asm, **gate_up)
     _down_combine_kernel[(T * K, nb)](
-        h, *banks, slots, y, weights, out, _counters(x.device, T * nb),
+        h, *banks, slots, y, weights, out, counters(x.device, T * nb, "routed"),
         ROW_W=strides[0], ROW_U8=strides[1], ROW_F32=strides[2], D=D, I=I, K=K, BLOCK_N=n2,
         num_warps=tiles.down_warps, ASM=asm, **down, **comb)
     return out

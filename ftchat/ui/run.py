@@ -37,7 +37,7 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
             return 0
     apply_threads(settings)
     resolved = resolve_model(model, env)
-    session = open_session(resolved, settings, screen)
+    session = open_session(resolved, settings, screen, interactive)
     try:
         if jobs is not None:
             return run_batch(session, screen, jobs, settings.json,
@@ -70,7 +70,8 @@ def plan_run(resolved: ResolvedModel, settings: Settings) -> None:
     vp.preflight(a, layout, settings, vp.run_workload(a, layout, settings))
 
 
-def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen) -> Session:
+def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
+                 interactive: bool = True) -> Session:
     check_context(load_args(resolved.path), settings.context)  # before the KV cache is sized
     plan_run(resolved, settings)
     quiet = settings.quiet
@@ -79,7 +80,13 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen) ->
     t = time.perf_counter()
     with progress_bar(None if quiet else screen.err, "loading") as progress:
         session = Session.open(resolved.path, settings, progress)
+    loaded = f"loaded in {time.perf_counter() - t:.1f} s"
+    # warm the decoder the first reply uses: the chat's, or --prompt's one row (piped batches
+    # size theirs by the lines waiting: a guess could allocate a second state for nothing)
+    if session.warms_up() and (interactive or settings.prompt is not None):
+        if not quiet:
+            screen.note("ftchat: warming up (compiling kernels, capturing the decode graph)")
+        loaded += f", warmed up in {session.warm_up(None if interactive else 1):.1f} s"
     if not quiet:
-        screen.note(f"ftchat: {resolved.name}: {session.describe()}; loaded in "
-                    f"{time.perf_counter() - t:.1f} s")
+        screen.note(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
     return session

@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from ftchat.kernels import HAS_TRITON
-from ftchat.kernels import gdn_decode as gk
+from ftchat.kernels import gdn_decode as gk, sync
 from ftchat.model import gdn
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
@@ -234,7 +234,7 @@ def test_negative_control_corrupted_state_fails(corrupt, dtype):
 
 def test_counters_left_zero():
     _run_kernel(_args("small"), torch.bfloat16, 2, seed=5, steps=2, block_v=8)
-    assert all(int(c.abs().sum()) == 0 for c in gk._COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in sync._COUNTERS.values())
 
 
 # ===== the whole mixer: fused GEMV + kernel + out_proj vs gdn_mixer_ref =====
@@ -308,4 +308,4 @@ def test_fused_step_replays_in_a_cuda_graph():
         assert _excess(y, want, "bf16") <= 1
         assert _excess(conv_g, conv_e, "bf16") <= 1 and _excess(S_g, S_e, "S16") <= 1
     print(f"graph == eager: {torch.equal(y, want) and torch.equal(S_g, S_e)}", end=" ")
-    assert all(int(c.abs().sum()) == 0 for c in gk._COUNTERS.values())
+    assert all(int(c.abs().sum()) == 0 for c in sync._COUNTERS.values())

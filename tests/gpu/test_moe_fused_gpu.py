@@ -44,6 +44,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ftchat.kernels import sync
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
 from ftchat.model.expert_backend import SharedOut
@@ -51,7 +52,7 @@ from ftchat.model.rows import RowLayout
 from ftchat.offload import expert_kernels as ek
 from ftchat.offload.backend import ResidentExperts
 from ftchat.offload.experts import routed_experts
-from tests.kernel_inputs import place, random_rows, routing
+from tests.kernel_inputs import kernel_device, place, random_rows, routing
 
 pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -62,19 +63,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.fixture(autouse=True)
 def _device():
-    assert ek.HAS_TRITON, "these tests need triton"
-    if DEVICE == "cpu":
-        assert INTERPRET, "FTCHAT_TEST_DEVICE=cpu needs TRITON_INTERPRET=1 (the interpreter)"
-        yield
-        return
-    assert not INTERPRET and torch.cuda.is_available(), \
-        "no CUDA: set FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 to run on CPU"
-    mm = torch.backends.cuda.matmul
-    old = mm.allow_bf16_reduced_precision_reduction, mm.allow_tf32
-    # the references' cuBLAS: fp32 sums of exact products, as on CPU
-    mm.allow_bf16_reduced_precision_reduction = mm.allow_tf32 = False
-    yield
-    mm.allow_bf16_reduced_precision_reduction, mm.allow_tf32 = old
+    yield from kernel_device(DEVICE, INTERPRET, ek.HAS_TRITON)
 
 
 # ===== inputs =====
@@ -296,7 +285,7 @@ def test_v2_leaves_its_counters_zero_and_repeats():
     c = _case("small", 2, torch.bfloat16, seed=51)
     first = _fused(c, "v2")
     nb = -(-c.layout.hidden // _tiles(c, "v2").down_rows)
-    cnt = ek._counters(c.x.device, c.x.shape[0] * nb)
+    cnt = sync.counters(c.x.device, c.x.shape[0] * nb, "routed")
     assert int(cnt.abs().sum()) == 0
     assert torch.equal(_fused(c, "v2"), first)
     # control: with counts no program can bring to K - 1, none combines and none resets (a

@@ -1,0 +1,210 @@
+"""Decode GEMV y = x @ w.T (F.linear, no bias) for 1-8 rows: one deterministic Triton kernel.
+
+Why: at decode (1-8 rows) cuBLAS launches too few CTAs for mid-sized weights (an [2560, 6144]
+o_proj runs a split-K kernel plus a separate reduce kernel at ~2 TB/s; [1281, 2560] at ~1 TB/s;
+HBM gives ~4.8 TB/s). Here the weight streams from HBM through many programs at once.
+
+Design, grid (cdiv(N, BLOCK_N), SPLIT): program (p, s) owns output columns n of block p and
+reduction columns [s*KS, min((s+1)*KS, K)), KS = a whole number of BLOCK_K chunks (the defaults
+make it 1-3). Per chunk it loads the [BLOCK_N, BLOCK_K] weight tile once (wide, independent
+loads: a whole chunk at a time) and loops over the rows (a static loop over the padded rows, a
+runtime `if b < rows`), each row a [BLOCK_N] dot product of the tile held in registers with that
+row's x chunk, accumulated in fp32 (acc [BLOCK_N, RB]). The defaults (`default_tiles`) run
+one-warp programs of [4, 512]: thousands of them, each row's reduction in warp shuffles alone.
+Measured on the H200 (bench_gemv.py): 1.1-2.2x faster than cuBLAS at [2560, 6144], [1281, 2560],
+[2560, 640], [512, 2560] for bs 1-2, but 5-20 % slower at [16480, 2560] and [12800, 2560] (where
+cuBLAS already streams ~3.5 TB/s) and at bs 8 on the large shapes.
+* SPLIT == 1: the program rounds acc once to the output dtype and stores it.
+* SPLIT > 1: the program stores acc to an fp32 workspace part [SPLIT, rows, N] (allocated per
+  call) and counts itself in block p's int32 counter (atomic add, acq_rel, after a CTA barrier);
+  the last of the SPLIT programs to arrive sums part[0..SPLIT-1] for block p in that fixed order
+  (loads through L2, `.cg`), rounds once, stores, and resets the counter to 0
+  (ftchat/kernels/sync.py). The counters are one buffer per (device, size, "gemv") for the
+  process (a captured CUDA graph keeps the address), left zero by every launch: no memset, no
+  float atomics.
+Determinism: every program's partial is a fixed computation and the split sum has a fixed order
+whichever program arrives last, so results are bit-identical run to run and a CUDA-graph replay
+equals eager. (Launches sharing a counter buffer must not overlap in time: kernels of one stream
+do not; concurrent GEMVs on two streams with the same block count would need their own buffers.)
+
+Numerics: products and sums in fp32 (bf16 x bf16 products are exact in fp32), rounded once to the
+output dtype, round to nearest even (bf16: bit arithmetic, `_rnd`: the interpreter's cast
+truncates). That is what cuBLAS does with fp32 accumulation (allow_bf16_reduced_precision_reduction
+and TF32 off) but for the summation order, so:
+* fp32: |got - ref| <= 1e-5 * max|ref| (ref: F.linear in fp32 or float64). A K-term fp32 dot
+  product in another order moves by ~sqrt(K) * 2^-24 of its terms' scale, ~5e-6 at K = 6144
+  for random data; in practice far less.
+* bf16: |got - ref| <= 2^-7 * |ref| + 2^-8 * max|ref|: one bf16 ulp of each element (2^-7 |v| is
+  at least one ulp of v) plus a small fraction of the largest. Two fp32 sums of the same terms in
+  different orders can round to neighbouring bf16 values; against float64 the kernel is within
+  half an ulp plus the fp32 error.
+Legend: rows = x.numel() / K (<= GEMV_MAX_ROWS), RB rows padded to a power of two, N outputs, K
+the reduction, nk = cdiv(K, BLOCK_K) chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels.hyper import _rnd, _rows_block, _step
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+
+GEMV_MAX_ROWS = 8  # decode batches; every row re-reads the tile from registers, compute grows
+DISPATCH_MAX_ROWS = 2  # `linear` takes the kernel up to here: the rows it was measured faster at
+SPLIT = 4  # the defaults' split-K (at most nk, evened)
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    """Tile sizes (powers of two); picked by shape, not autotuned (decode runs in a graph)."""
+
+    block_n: int  # BLOCK_N: output columns (weight rows) per program
+    block_k: int  # BLOCK_K: reduction columns per chunk (one load of the weight tile)
+    split: int  # SPLIT (at most): programs sharing one output block, each a run of chunks
+    warps: int
+
+
+def default_tiles(N: int, K: int, rows: int = 1) -> GemvTiles:
+    """The rule (one H200 sweep, bf16, bs 1-2: docstring of benchmarks/bench_gemv.py): one warp a
+    program, BLOCK_N = 4 weight rows, chunks of BLOCK_K = the largest power of two <= 512 dividing
+    K (hyper's `_step`; under 256, which would idle lanes of the warp, one masked chunk of K's
+    next power of two, at most 1024), and SPLIT = 4 (at most nk, evened: 2-3 chunks, 16-24 KB of
+    bf16 weights a program at K = 2560 and 6144). Many small programs (thousands at the decode
+    shapes) keep the most bytes in flight; one warp reduces each row's dot product with shuffles
+    alone (wider CTAs reduced across warps through shared memory and were slower). For the
+    decode shapes (N x K -> BLOCK_K, split: programs):
+    2560x6144 -> 512, 4: 2560; 1281x2560 -> 512, 3: 963; 2560x640 -> 1024, 1: 640;
+    512x2560 -> 512, 3: 384; 16480x2560 -> 512, 3: 12360; 12800x2560 -> 512, 3: 9600;
+    2560x2560 -> 512, 3: 1920. The same tiles at every row count (bs 8 measured slower than
+    cuBLAS at the large shapes either way: compute per weight grows with the rows).
+    """
+    bk = _step(K, 512)
+    if bk < 256:
+        bk = min(1024, triton.next_power_of_2(K))
+    nk = triton.cdiv(K, bk)
+    return GemvTiles(block_n=4, block_k=bk, split=_even_split(nk, min(nk, SPLIT)), warps=1)
+
+
+def _even_split(nk: int, split: int) -> int:
+    # the split actually run: chunks per program cdiv(nk, split), then as many programs as needed
+    return triton.cdiv(nk, triton.cdiv(nk, max(1, split)))
+
+
+def launch_plan(K: int, tiles: GemvTiles) -> tuple[int, int]:
+    """(BLOCK_K, SPLIT) that `linear_triton` launches with for tiles: block_k clamped to K's
+    next power of two, split to at most nk and evened (no empty program)."""
+    bk = min(tiles.block_k, triton.next_power_of_2(K))
+    nk = triton.cdiv(K, bk)
+    return bk, _even_split(nk, min(nk, tiles.split))
+
+
+# ===== kernel =====
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr,
+                 K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, RB: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT); x [rows, K], w [N, K] -> out [rows, N] (x's dtype).
+    Program (p, s): acc[n, b] = sum over k in [s*KS, min(s*KS + KS, K)) of w[n, k] x[b, k] in
+    fp32, chunk by chunk (one [BLOCK_N, BLOCK_K] weight load each, reused for every row; acc is
+    kept [BLOCK_N, RB] so a row's dot product lands in it without a layout change). SPLIT 1:
+    out = round(acc). Else acc -> part[s] (fp32 [SPLIT, rows, N]); the last program of block p
+    to arrive (counter cnt[p], left 0) stores round(part[0] + part[1] + ... + part[SPLIT-1]).
+    """
+    p, s = tl.program_id(0), tl.program_id(1)
+    n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < N
+    kk = tl.arange(0, BLOCK_K)
+    nn = n[:, None]  # [BLOCK_N, 1]
+    bb = tl.arange(0, RB)[None, :]  # [1, RB]
+    acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
+    k0 = s * KS
+    k_end = tl.minimum(k0 + KS, K)
+    for kb in range(k0, k_end, BLOCK_K):
+        k = kb + kk  # [BLOCK_K]
+        k_ok = k < k_end
+        w = tl.load(w_ptr + nn * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K], all of it in flight at once
+        for bi in tl.static_range(RB):
+            if bi < rows:
+                xb = tl.load(x_ptr + bi * K + k, mask=k_ok, other=0.0).to(tl.float32)
+                d = tl.sum(w * xb[None, :], axis=1)  # [BLOCK_N]
+                acc = tl.where(bb == bi, acc + d[:, None], acc)
+    ok = (bb < rows) & (nn < N)
+    if SPLIT == 1:
+        tl.store(out_ptr + bb * N + nn, _rnd(acc, BF16).to(out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(part_ptr + (s * rows + bb) * N + nn, acc, mask=ok)
+        cnt = cnt_ptr + p
+        if _last_to_arrive(cnt, SPLIT):
+            tot = tl.load(part_ptr + bb * N + nn, mask=ok, other=0.0, cache_modifier=".cg")
+            for j in tl.static_range(1, SPLIT):  # split order, whoever is last
+                tot += tl.load(part_ptr + (j * rows + bb) * N + nn, mask=ok, other=0.0,
+                               cache_modifier=".cg")
+            tl.store(out_ptr + bb * N + nn, _rnd(tot, BF16).to(out_ptr.dtype.element_ty),
+                     mask=ok)
+            tl.store(cnt, 0)
+
+
+# ===== wrappers =====
+
+def _counters(device: torch.device, n: int) -> Tensor:
+    # [n] int32 zeros: the GEMVs' own counter buffer per (device, size), kept for the process (a
+    # captured graph keeps its address); every launch leaves it zero
+    return counters(device, n, "gemv")
+
+
+def _pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tensor:
+    """F.linear(x, w) = x @ w.T for x [..., K] (rows = x.numel() / K <= GEMV_MAX_ROWS) and w
+    [N, K] contiguous, both bf16 or both fp32; returns [..., N] in x's dtype (fp32 accumulation,
+    rounded once). One launch (split-K reduces in the same kernel); no host sync.
+    """
+    N, K = w.shape
+    assert x.shape[-1] == K and w.is_contiguous(), "w must be [N, K] contiguous, x [..., K]"
+    assert x.dtype == w.dtype and x.dtype in (torch.bfloat16, torch.float32), \
+        f"bf16 or fp32 for both, not {x.dtype} x {w.dtype}"
+    assert N * K < 2**31, "int32 offsets"
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K).contiguous()
+    rows = x2.shape[0]
+    assert 1 <= rows <= GEMV_MAX_ROWS, f"{rows} rows: at most {GEMV_MAX_ROWS}"
+    t = tiles or default_tiles(N, K, rows)
+    assert _pow2(t.block_n) and _pow2(t.block_k), f"powers of two: {t}"
+    bk, split = launch_plan(K, t)
+    nk = triton.cdiv(K, bk)
+    nb = triton.cdiv(N, t.block_n)
+    out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
+    if split > 1:
+        part = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
+        cnt = _counters(x.device, nb)
+    else:
+        part = cnt = out  # unused
+    _gemv_kernel[(nb, split)](
+        x2, w, out, part, cnt, rows, N=N, K=K, KS=triton.cdiv(nk, split) * bk, SPLIT=split,
+        RB=_rows_block(rows), BLOCK_N=t.block_n, BLOCK_K=bk, BF16=x.dtype == torch.bfloat16,
+        num_warps=t.warps)
+    return out.view(*lead, N)
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w), through `linear_triton` where it applies (fused kernels on for x's device,
+    bf16 / fp32 x of w's dtype, rows <= DISPATCH_MAX_ROWS, w 2-D contiguous); F.linear otherwise.
+    The model calls it for the shapes the kernel measured faster at bs 1-2 (o_proj / out_proj
+    [2560, 6144], the shared expert's [1281, 2560] and [2560, 640]); cuBLAS keeps the larger
+    projections, where it measured faster (benchmarks/bench_gemv.py, docs/performance.md)."""
+    if (use_fused(x) and x.dtype in (torch.bfloat16, torch.float32) and w.dtype == x.dtype
+            and w.dim() == 2 and w.is_contiguous() and w.is_cuda and 0 < w.numel() < 2**31
+            and x.dim() >= 1 and x.shape[-1] == w.shape[1]
+            and 1 <= x.numel() // w.shape[1] <= DISPATCH_MAX_ROWS):
+        return linear_triton(x, w)
+    return F.linear(x, w)
