@@ -69,6 +69,9 @@ Model = Annotated[str | None, typer.Argument(
 Context = Annotated[int | None, typer.Option(
     "--context", "-c", metavar="N", rich_help_panel=MODEL,
     help="KV capacity in tokens (default: the model's, at most 32768)")]
+PrefillChunk = Annotated[int | None, typer.Option(
+    "--prefill-chunk", metavar="T", rich_help_panel=MODEL,
+    help="Prompt tokens per prefill call (default 1024; larger: fewer expert copies, more VRAM)")]
 Device = Annotated[str | None, typer.Option(
     metavar="auto|cuda|cpu", rich_help_panel=MODEL, help="Where to run (default auto)")]
 Dtype = Annotated[str | None, typer.Option(
@@ -190,6 +193,7 @@ def run(
         "--panel/--no-panel", metavar="", rich_help_panel=GEN,
         help="Live panel on stderr (default: when a terminal)")] = None,
     context: Context = None,
+    prefill_chunk: PrefillChunk = None,
     device: Device = None,
     dtype: Dtype = None,
     threads: Threads = None,

@@ -164,8 +164,9 @@ class Decoder:
     decode step (cache logic and copies included) replays from one CUDA graph."""
 
     def __init__(self, m: LoadedModel, experts: ExpertBackend, batch: int, max_len: int,
-                 graph: bool = False):
+                 graph: bool = False, prefill_chunk: int | None = None):
         self.m, self.experts = m, experts
+        self.prefill_chunk = prefill_chunk  # tokens a prefill call takes; None: PREFILL_CHUNK
         self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype)
         self.graph = None
         if graph and not graph_safe(m):
@@ -193,14 +194,15 @@ class Decoder:
         `on_prefill(done, total)` is called before the first chunk (done 0: the start time) and
         after each one, once its work is finished (a progress line for long prompts)."""
         out, total = [], ids.shape[0]
+        step = self.prefill_chunk or PREFILL_CHUNK
         if on_prefill is not None:
             on_prefill(0, total)
-        for i in range(0, total, PREFILL_CHUNK):
-            chunk = ids[i : i + PREFILL_CHUNK]
+        for i in range(0, total, step):
+            chunk = ids[i : i + step]
             out.append(prefill(self.m, self.state, row, chunk, start + i, self.experts))
             if on_prefill is not None:
                 _now(self.m.device)  # SYNC: report finished work, not queued kernels
-                on_prefill(min(i + PREFILL_CHUNK, total), total)
+                on_prefill(min(i + step, total), total)
         return torch.cat(out)
 
     def step(self, tokens: Tensor, lengths: list[int]) -> Tensor:

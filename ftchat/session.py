@@ -203,8 +203,7 @@ class Session:
         t = time.perf_counter()
         if rows is None:
             if self._chat is None:
-                self._chat = engine.Decoder(self.model, self.experts, 1, self.max_len,
-                                            graph=self.settings.use_graph())
+                self._chat = self._new_decoder(1)
             dec = self._chat
         else:
             dec = self._decoder(rows)
@@ -355,16 +354,19 @@ class Session:
             raise FtchatError(f"the conversation is full ({self.length} of {self.max_len} tokens "
                               f"used, the new turn needs {len(turn)}): /reset to start over")
         if self._chat is None:
-            self._chat = engine.Decoder(self.model, self.experts, 1, self.max_len,
-                                        graph=self.settings.use_graph())
+            self._chat = self._new_decoder(1)
         return self._reply(self._chat, turn, on_prefill)
+
+    def _new_decoder(self, rows: int) -> engine.Decoder:
+        return engine.Decoder(self.model, self.experts, rows, self.max_len,
+                              graph=self.settings.use_graph(),
+                              prefill_chunk=self.settings.prefill_chunk)
 
     def _decoder(self, batch: int) -> engine.Decoder:
         """The batch decoder of `batch` rows (made once: a CUDA graph is captured per size)."""
         dec = self._batch.get(batch)
         if dec is None:
-            dec = self._batch[batch] = engine.Decoder(
-                self.model, self.experts, batch, self.max_len, graph=self.settings.use_graph())
+            dec = self._batch[batch] = self._new_decoder(batch)
         else:
             dec.reset(experts=False)  # a warm expert cache stays warm across prompt chunks
         return dec

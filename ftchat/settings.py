@@ -51,6 +51,7 @@ class Settings:
     max_new_tokens: int = 256
     batch_size: int = 1
     context: int | None = None  # KV capacity per sequence; None: model maximum, capped
+    prefill_chunk: int | None = None  # tokens per prefill call; None: engine.PREFILL_CHUNK
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
     verify: VerifyMode | None = None
@@ -251,6 +252,7 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "max_new_tokens": ("max_new_tokens", "--max-new-tokens", _int(1), None, None),
     "batch_size": ("batch_size", "--batch-size", _int(1), None, None),
     "context": ("context", "--context", _int(1), None, None),
+    "prefill_chunk": ("prefill_chunk", "--prefill-chunk", _int(1), None, None),
     "device": ("device", "--device", _choice(DeviceName), None, None),
     "dtype": ("dtype", "--dtype", _choice(DtypeName), None, None),
     "verify": ("verify", "--verify", _choice(VerifyMode), ENV_VERIFY, _verify_env),

@@ -509,11 +509,11 @@ def given_slots(settings: Settings, layout: RowLayout) -> int | None:
 
 def run_workload(a: ModelArgs, layout: RowLayout, settings: Settings) -> Workload:
     """What `ftchat run` (a Session) allocates: one decoder per batch size a chunk of piped
-    prompts takes, each kept (1..B rows), one slot bank, prefill in PREFILL_CHUNK chunks."""
+    prompts takes, each kept (1..B rows), one slot bank, prefill in chunks of --prefill-chunk."""
     cuda = settings.torch_device().type == "cuda"
     L = run_context(a, settings)
     return Workload(L, tuple(range(1, settings.batch_size + 1)), (given_slots(settings, layout),),
-                    min(PREFILL_CHUNK, L), cuda, cuda and settings.use_graph(),
+                    min(settings.prefill_chunk or PREFILL_CHUNK, L), cuda, cuda and settings.use_graph(),
                     candidates=settings.candidates)
 
 

@@ -172,12 +172,13 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
 
 
 def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int]) -> dict:
-    """Prefill tok/s with offloaded experts (staging area on CUDA)."""
+    """Prefill tok/s with offloaded experts (staging area on CUDA), in chunks of
+    base.prefill_chunk tokens."""
     ex = build_experts(m, dataclasses.replace(base, prefetch="off"))
     out = {}
     for n in lengths:
-        dec = Decoder(m, ex, 1, n + 2)
-        ids = torch.randint(0, 1000, (n,))
+        dec = Decoder(m, ex, 1, n + 2, prefill_chunk=base.prefill_chunk)
+        ids = torch.randint(0, min(1000, m.args.vocab_size), (n,))
         dec.prefill(0, ids[:256], 0)  # warm-up
         dec.reset()
         _sync(m.device)
