@@ -253,6 +253,10 @@ def synth(
                                         help="Expert format")] = "bf16",
     seed: Annotated[int, typer.Option("--seed", "-s", metavar="N",
                                       help="Random seed of the weights")] = 0,
+    dense: Annotated[str, typer.Option(
+        metavar="bf16|nvfp4",
+        help="Dense projections: bf16, or the GDN qkv and z in NVFP4 as the real checkpoint "
+             "(needs an NVFP4 --format)")] = "bf16",
 ) -> None:
     """Write a synthetic checkpoint (random weights) in the real model's HF layout."""
     from ftchat.model.synth import write_checkpoint
@@ -262,7 +266,7 @@ def synth(
     try:
         with progress_bar(sys.stderr, "writing") as bar:
             path = write_checkpoint(out, preset, layers, format, seed,
-                                    progress=lambda i, n: bar("layers", i, n))
+                                    progress=lambda i, n: bar("layers", i, n), dense=dense)
     except OSError as e:  # the checks passed, the file system still refused (read-only, full)
         _remove_empty(created)
         raise FtchatError(f"{out}: cannot write the checkpoint in {out.absolute().parent} "

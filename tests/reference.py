@@ -1,7 +1,7 @@
 """The transformers reference (qwen4_exp) on the same weights, for the oracle tests.
 
-NVFP4 experts are dequantized here with the test's own code (not ftchat's), and QSA block ties
-are made deterministic in the reference the same way ftchat breaks them (lowest block index).
+NVFP4 weights (experts, and dense projections stored quantized) are dequantized here with the
+test's own code (not ftchat's), and QSA block ties are made deterministic in the reference the same way ftchat breaks them (lowest block index).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def _dequant(packed, scale, g):
 
 
 def reference_model(folder: Path):
-    """Qwen4ExpForCausalLM in fp32 holding the checkpoint's weights (NVFP4 experts dequantized)."""
+    """Qwen4ExpForCausalLM in fp32 holding the checkpoint's weights (NVFP4 ones dequantized)."""
     from transformers import AutoConfig, Qwen4ExpForCausalLM
 
     folder = Path(folder)
@@ -47,7 +47,8 @@ def reference_model(folder: Path):
         k = k.replace("model.language_model.", "model.")
         if k.endswith(".weight_scale") or k.endswith(".weight_scale_2") or k.endswith("_global_scale"):
             continue
-        if ".experts." in k and (v.dtype == torch.uint8):
+        if v.dtype == torch.uint8 and (k.endswith(".weight") or k.endswith(".weight_packed")):
+            # NVFP4: routed experts, and dense projections a checkpoint stores quantized
             base = k.rsplit(".", 1)[0]
             src = "model.language_model." + base[len("model."):]
             if k.endswith(".weight_packed"):

@@ -35,6 +35,8 @@ PREFIX = "model.language_model."
 FORMATS = ("bf16", nvfp4.MODELOPT, nvfp4.COMPRESSED_TENSORS)
 STORED_DTYPE = torch.bfloat16  # every float tensor of a synthetic checkpoint (experts too, in bf16)
 LM_HEAD = "lm_head.weight"  # the one name outside the text prefix
+DENSE = ("bf16", "nvfp4")  # the dense projections as stored: bf16, or NVFP4_DENSE in NVFP4
+NVFP4_DENSE = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight")  # ARCH 5.3
 PLE_TABLES = ("bf16", "fp8")  # the n-gram table as stored: bf16, or fp8 e4m3 with a scalar scale
 PLE_FP8_SCALE = 6 / 448  # as fp32: |x| <= 6 sigma of the N(0, 1) table fits e4m3 (max 448)
 SHARD = ".ngram_embedding.shard_"
@@ -100,10 +102,11 @@ def special_ids(preset: str) -> dict[str, int]:
     return {tok: base + off for tok, off in SPECIAL_OFFSETS.items()}
 
 
-def hf_config(preset: str, layers: int | None, fmt: str) -> dict:
+def hf_config(preset: str, layers: int | None, fmt: str, dense: str = "bf16") -> dict:
     """The config.json of a synthetic checkpoint (wrapper with text_config)."""
     if fmt not in FORMATS:
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    _check_dense(dense, fmt)
     vocab, _ = preset_vocab(preset)
     text = preset_config(preset, layers, special_ids(preset)["<|endoftext|>"], vocab)
     hf = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
@@ -111,7 +114,7 @@ def hf_config(preset: str, layers: int | None, fmt: str) -> dict:
           "image_token_id": 248056, "video_token_id": 248057,
           "vision_start_token_id": 248053, "vision_end_token_id": 248054}
     if fmt != "bf16":
-        hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules())
+        hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules(dense))
     return hf
 
 
@@ -289,14 +292,17 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
                      fmt: str = "bf16", seed: int = 0, max_shard_bytes: int | None = None,
                      progress: Callable[[int, int], None] | None = None,
                      weights_fn: Callable[[str, Tensor], Tensor] | None = None,
-                     ple_table: str = "bf16") -> Path:
+                     ple_table: str = "bf16", dense: str = "bf16") -> Path:
     """Write a complete synthetic checkpoint to `out` (a new folder; replaced only on success).
 
     weights_fn, if given, may replace each float tensor before it is written (tests use it).
     ple_table: the n-gram table as stored, bf16 (the default) or fp8 with a scale (`generate`).
+    dense: "nvfp4" stores the GDN qkv and z projections (NVFP4_DENSE) quantized in fmt's
+    dialect, as the real checkpoint does (ARCH section 5.3; the loader dequantizes them).
     """
     if fmt not in FORMATS:
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+    _check_dense(dense, fmt)
     if ple_table not in PLE_TABLES:
         raise FtchatError(f"unknown PLE table {ple_table!r}: use one of {', '.join(PLE_TABLES)}")
     out = Path(out)
@@ -306,7 +312,8 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
     tmp = Path(tempfile.mkdtemp(prefix=".synth-", dir=out.parent))
     tmp.chmod(0o755)
     try:
-        _write(tmp, preset, layers, fmt, seed, max_shard_bytes, progress, weights_fn, ple_table)
+        _write(tmp, preset, layers, fmt, seed, max_shard_bytes, progress, weights_fn, ple_table,
+               dense)
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -316,12 +323,13 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
 
 
 def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
-           max_shard_bytes: int | None, progress, weights_fn, ple_table: str = "bf16") -> None:
+           max_shard_bytes: int | None, progress, weights_fn, ple_table: str = "bf16",
+           dense: str = "bf16") -> None:
     vocab, special_base = preset_vocab(preset)
     specials = write_synthetic_tokenizer(folder, vocab, special_base)
     # special_ids is what the in-memory model uses for eos: it must place them the same way
     assert specials == special_ids(preset), (specials, special_ids(preset))
-    hf = hf_config(preset, layers, fmt)
+    hf = hf_config(preset, layers, fmt, dense)
     a = ModelArgs.from_hf(hf)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(generation_config(preset), indent=2))
@@ -330,6 +338,12 @@ def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
     w = _ShardWriter(folder, limit)
     gen = torch.Generator().manual_seed(seed)
     for item in generate(a, fmt, gen, weights_fn, ple_table):
+        if isinstance(item, DenseTensor) and _quantized_dense(item.name, dense):
+            base = PREFIX + item.name[: -len(".weight")]
+            for name, x in nvfp4.to_checkpoint(fmt, base, *nvfp4.quantize(item.tensor.float())
+                                               ).items():
+                w.add(name, x)
+            continue
         if isinstance(item, DenseTensor):
             w.add(item.name if item.name == LM_HEAD else PREFIX + item.name, item.tensor)
             continue
@@ -349,9 +363,24 @@ def _add_expert(w: _ShardWriter, item: ExpertTensors, fmt: str) -> None:
                 w.add(name, x)
 
 
-def _unquantized_modules() -> list[str]:
-    """Everything but the routed experts stays bf16 in synthetic NVFP4 checkpoints."""
-    return ["lm_head", "model.language_model.embed_tokens", "model.language_model.*.linear_attn*",
-            "model.language_model.*.self_attn*", "model.language_model.*.ple*",
-            "model.language_model.*hyper_connection*", "model.language_model.*.mlp.gate",
-            "model.language_model.*.mlp.shared_expert*"]
+def _check_dense(dense: str, fmt: str) -> None:
+    if dense not in DENSE:
+        raise FtchatError(f"unknown dense format {dense!r}: use one of {', '.join(DENSE)}")
+    if dense == "nvfp4" and fmt == "bf16":
+        raise FtchatError("NVFP4 dense projections need an NVFP4 format: give --format "
+                          f"{nvfp4.MODELOPT} or {nvfp4.COMPRESSED_TENSORS}")
+
+
+def _quantized_dense(name: str, dense: str) -> bool:
+    return dense == "nvfp4" and name.startswith("layers.") and name.endswith(NVFP4_DENSE)
+
+
+def _unquantized_modules(dense: str = "bf16") -> list[str]:
+    """What stays bf16 in synthetic NVFP4 checkpoints: everything but the routed experts, or
+    (dense "nvfp4") also but the GDN qkv and z projections, as the real checkpoint stores them."""
+    m = "model.language_model."
+    gdn = ([f"{m}*.linear_attn.{n}" for n in ("in_proj_b", "in_proj_a", "out_proj", "conv1d",
+                                              "norm")]
+           if dense == "nvfp4" else [f"{m}*.linear_attn*"])
+    return ["lm_head", f"{m}embed_tokens", *gdn, f"{m}*.self_attn*", f"{m}*.ple*",
+            f"{m}*hyper_connection*", f"{m}*.mlp.gate", f"{m}*.mlp.shared_expert*"]
