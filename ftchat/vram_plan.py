@@ -512,8 +512,9 @@ def run_workload(a: ModelArgs, layout: RowLayout, settings: Settings) -> Workloa
     prompts takes, each kept (1..B rows), one slot bank, prefill in chunks of --prefill-chunk."""
     cuda = settings.torch_device().type == "cuda"
     L = run_context(a, settings)
+    T = min(settings.prefill_chunk or PREFILL_CHUNK, L)
     return Workload(L, tuple(range(1, settings.batch_size + 1)), (given_slots(settings, layout),),
-                    min(settings.prefill_chunk or PREFILL_CHUNK, L), cuda, cuda and settings.use_graph(),
+                    T, cuda, cuda and settings.use_graph(),
                     candidates=settings.candidates)
 
 

@@ -17,7 +17,8 @@ fp32 summation orders (and exp / division ulps) differ, so:
 * bf16 x and s: |got - ref| <= 2^-7 * |ref| + 2^-8 * max|ref|, one bf16 ulp per element plus half
   an ulp of the largest: a GEMV output whose fp32 sum lands on the other side of a rounding
   boundary (or the unrounded Rn moves it there) shifts what depends on it by about one ulp.
-  Measured on CPU (interpreter): at most one ulp of x (2^-7 at |x| ~ 1.5). On CUDA the reference's cuBLAS runs with fp32 reductions (the fixture turns off
+  Measured on CPU (interpreter): at most one ulp of x (2^-7 at |x| ~ 1.5). On CUDA the
+  reference's cuBLAS runs with fp32 reductions (the fixture turns off
   allow_bf16_reduced_precision_reduction and TF32) so that it is the same math.
 * bf16 accuracy: the kernels' mean error against float64 math is at most 1.25x torch's (plus
   2^-12 * max): both are dominated by the final roundings, so they are nearly equal.
