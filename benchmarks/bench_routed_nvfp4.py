@@ -25,6 +25,7 @@ import time
 
 import torch
 
+from graph_timing import median_replay  # benchmarks/ (the script's folder)
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
 from ftchat.model.rows import RowLayout
@@ -39,21 +40,6 @@ V2_GATE_UP = [(16, 512, 2), (16, 512, 4), (8, 512, 1), (8, 512, 2), (16, 256, 2)
 V2_DOWN = [(64, 128, 2), (32, 128, 1), (32, 128, 2), (64, 128, 4), (128, 128, 4), (16, 128, 1)]
 QUICK_GATE_UP = [(16, 512, 4), (16, 512, 2), (8, 512, 2)]  # v3 spills at 8 rows per thread
 QUICK_DOWN = [(64, 128, 2), (32, 128, 1), (64, 128, 4)]
-
-
-def median_replay(graph: torch.cuda.CUDAGraph, iters: int) -> float:
-    """Median seconds of one replay, CUDA events."""
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def capture(fn) -> torch.cuda.CUDAGraph:

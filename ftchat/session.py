@@ -192,8 +192,7 @@ class Session:
     def warms_up(self) -> bool:
         """Whether `warm_up` pays off: CUDA (Triton compiles, graph capture, cuBLAS and allocator
         first calls) and no debug watcher (a recorder would log the warm-up's tokens)."""
-        return self.model.device.type == "cuda" and not (
-            self.settings.verify or self.settings.audit_every or self.settings.record_routing)
+        return self.model.device.type == "cuda" and not self.settings.watched()
 
     def warm_up(self, rows: int | None = None) -> float:
         """Before the first prompt: make the decoder a reply will use (the chat one, or the batch

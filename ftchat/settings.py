@@ -90,10 +90,14 @@ class Settings:
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
 
+    def watched(self) -> bool:
+        """Whether a debug watcher (verifier, slot audit, routing recorder) is on."""
+        return bool(self.verify or self.audit_every or self.record_routing)
+
     def use_graph(self) -> bool:
         """CUDA graphs on CUDA by default; the debug modes (verify, audit, routing record) read
         Python-side step numbers, so they run eagerly."""
-        if self.verify or self.audit_every or self.record_routing:
+        if self.watched():
             return False
         return self.torch_device().type == "cuda" if self.graph is None else self.graph
 

@@ -14,14 +14,6 @@ from ftchat.session import Session
 from ftchat.settings import Settings, resolve_settings
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _reply(folder, chunk, monkeypatch) -> tuple[list[int], list[int]]:
     # the reply's tokens and the length of every prefill call the engine made
     calls = []

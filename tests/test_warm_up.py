@@ -10,21 +10,12 @@ import dataclasses
 import io
 import sys
 
-import pytest
 import torch
 
 from ftchat import engine
 from ftchat.cli import main
 from ftchat.session import Session
 from ftchat.settings import Settings
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _reply(s: Session) -> tuple[list[int], float]:

@@ -154,12 +154,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
 
 # ===== wrappers =====
 
-def _counters(device: torch.device, n: int) -> Tensor:
-    # [n] int32 zeros: the GEMVs' own counter buffer per (device, size), kept for the process (a
-    # captured graph keeps its address); every launch leaves it zero
-    return counters(device, n, "gemv")
-
-
 def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
@@ -186,7 +180,7 @@ def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tenso
     out = torch.empty(rows, N, dtype=x.dtype, device=x.device)
     if split > 1:
         part = torch.empty(split, rows, N, dtype=torch.float32, device=x.device)
-        cnt = _counters(x.device, nb)
+        cnt = counters(x.device, nb, "gemv")  # the GEMVs' own buffer
     else:
         part = cnt = out  # unused
     _gemv_kernel[(nb, split)](

@@ -192,8 +192,8 @@ def test_counters_left_zero_and_owned():
     ours = {k: c for k, c in sync._COUNTERS.items() if k[2] == "gemv"}
     assert (torch.device(x.device), 5, "gemv") in ours  # its own buffers, not the routed ones'
     assert all(int(c.abs().sum()) == 0 for c in ours.values())
-    buf = gemv._counters(x.device, 5)
-    assert gemv._counters(x.device, 5) is buf  # one buffer per (device, size) for the process
+    buf = sync.counters(x.device, 5, "gemv")
+    assert sync.counters(x.device, 5, "gemv") is buf  # one buffer per (device, size, user)
 
 
 # ===== negative control =====
