@@ -1,6 +1,7 @@
-"""The shared-expert projection fusion at load time (layers.fuse_moe_projections, Weights): gate,
-up and the gate-logit row become row views of one [2I + 1, D] weight, no memory is added, and
-moe_block (the torch path: CPU, prefill) gives bit-identical results. CPU only, no Triton needed."""
+"""The MoE projection fusion at load time (layers.fuse_moe_projections, Weights): the shared
+expert's gate, up and gate-logit rows and the router become row views of one [2I + 1 + E, D]
+weight (the router only when alike), no memory is added, and moe_block (the torch path: CPU,
+prefill) gives bit-identical results. CPU only, no Triton needed."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ftchat.offload.backend import ResidentExperts
 from tests.kernel_inputs import random_rows
 
 P = "layers.0.mlp."
-NAMES = layers.SHARED_PROJECTIONS
+NAMES = layers.SHARED_PROJECTIONS + (layers.ROUTER,)
 
 
 def _args() -> ModelArgs:
@@ -35,14 +36,15 @@ def _experts(a: ModelArgs, kind: str, seed: int) -> ResidentExperts:
     return ResidentExperts(rows, layout, a.num_experts)  # layer 0: slot = expert id
 
 
-def test_fused_weight_holds_the_three_as_views():
+def test_fused_weight_holds_the_four_as_views():
     a = _args()
     w = _mlp(a)
     orig = {n: w[n].clone() for n in NAMES}
     views = layers.fuse_moe_projections(w)
     fused = w[layers.SHARED_FUSED]
     I = a.moe_intermediate_size
-    assert set(views) == set(NAMES) and fused.shape == (2 * I + 1, a.hidden_size)
+    assert set(views) == set(NAMES)
+    assert fused.shape == (2 * I + 1 + a.num_experts, a.hidden_size)
     row = 0
     for n in NAMES:  # same storage, in order, same values
         assert w[n] is views[n]
@@ -72,6 +74,21 @@ def test_only_dense_float_weights_on_one_device_and_dtype_fuse():
     assert layers.fuse_moe_projections({}) == {}  # a layer without an MoE block
 
 
+def test_a_router_unlike_the_shared_expert_stays_apart():
+    # its own dtype (or no router at all): the shared expert's three rows fuse without it
+    a = _args()
+    I = a.moe_intermediate_size
+    for change in ("dtype", "absent"):
+        w = _mlp(a)
+        if change == "dtype":
+            w[layers.ROUTER] = w[layers.ROUTER].double()
+        else:
+            del w[layers.ROUTER]
+        views = layers.fuse_moe_projections(w)
+        assert set(views) == set(layers.SHARED_PROJECTIONS), change
+        assert w[layers.SHARED_FUSED].shape == (2 * I + 1, a.hidden_size)
+
+
 def test_weights_fuses_moe_layers_without_extra_memory():
     a = _args()
     tensors = {P + k: v for k, v in _mlp(a).items()}
@@ -83,7 +100,7 @@ def test_weights_fuses_moe_layers_without_extra_memory():
     for n in NAMES:  # the flat dict and the layer dict hold the same views
         assert W[P + n] is lw[n] and id(W[P + n]) != ids_before[n]
         assert W[P + n].untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
-    # the only storage behind the three is the fused one: the originals are unreferenced
+    # the only storage behind the four is the fused one: the originals are unreferenced
     assert fused.untyped_storage().nbytes() == fused.numel() * fused.element_size()
     assert not any(k.endswith(layers.SHARED_FUSED) for k in tensors)  # flat dict: ckpt names
     assert layers.SHARED_FUSED not in W.layers[1]["mlp"]
@@ -130,6 +147,6 @@ def test_corrupted_fused_weight_changes_the_output():
     experts = _experts(a, "nvfp4", seed=8)
     x = torch.randn(1, 1, a.hidden_size, generator=torch.Generator().manual_seed(9))
     before = moe_block(0, x, w, experts, a)
-    w[layers.SHARED_FUSED][-1].add_(1.0)  # the gate-logit row
+    w[layers.SHARED_FUSED][2 * a.moe_intermediate_size].add_(1.0)  # the gate-logit row
     after = moe_block(0, x, w, experts, a)
     assert not torch.equal(before, after)

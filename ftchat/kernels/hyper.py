@@ -12,7 +12,7 @@ write R' = R + s_prev * y (the "write fold": it costs no kernel of its own), spl
   kernel 2, grid (cdiv(D, BLOCK_D),): u = W_up[hc streams x BLOCK_D rows] . m, sigmoid;
     recomputes R' and Rn for those columns, x = mean_i sigmoid(u_i) * Rn_i; stores x and R' (its
     columns: the programs cover R' once).
-Every program of kernel 1 issues its whole tile load at once (16 KB at the default tiles) and 420
+Every program of kernel 1 issues its whole tile load at once (16 KB at the default tiles) and 492
 of them run at the real geometry. Session 6's kernel 1 (split by stream only, each program first
 summing its stream's statistic, then looping over its columns) took 22.1 us for a write + read at
 bs 1 against 15.8 us for this pair (H200, one process: docs/performance.md, session 7).
@@ -57,12 +57,15 @@ class HcTiles:
 
 
 def default_tiles(rows: int) -> HcTiles:
-    # split read: kernel 1 takes 16 output rows x 512-column chunks (21 x 20 = 420 programs at
-    # D=2560, L=320, each one 16 KB tile load), kernel 2 4 columns x the whole low rank in one
-    # step (640 programs, 16 x 320 weights each); rows loop inside, reusing the tile. Not swept
-    # on the device yet (session 7 had no device time left for it)
+    # the H200 sweep's best at bs 1 and 2 (benchmarks/bench_hyper_router.py --bs 1,2 --sweep,
+    # session 8, docs/bench_hyper_router_s8.json): kernel 1 takes 8 output rows x 1024-column
+    # chunks (41 x 12 = 492 programs at D=2560, L=320, 3 chunks a stream, the last one half
+    # masked; a 16 KB tile load each, 4 warps),
+    # kernel 2 4 columns x 64 low-rank steps (640 programs); rows loop inside, reusing the tile.
+    # A write + read: 15.3 -> 13.1 us at bs 1, 24.9 -> 17.6 us at bs 2 (the session 7 tiles,
+    # 16 x 512 and 4 x 512, same process)
     del rows
-    return HcTiles(down_rows=16, down_k=512, down_warps=4, up_cols=4, up_k=512, up_warps=4)
+    return HcTiles(down_rows=8, down_k=1024, down_warps=4, up_cols=4, up_k=64, up_warps=4)
 
 
 # ===== device helpers =====

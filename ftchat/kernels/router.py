@@ -11,7 +11,8 @@ logit gap under ~1e-7 may round their fp32 probabilities equal). Exact ties: thi
 CPU topk returns tied values in no documented order (seen: [2, 4, 1] for equal values at
 1, 2, 4), so with ties only the chosen values, hence the weights, agree. Weights: fp32 within
 1e-5 relative (exp and the sums differ from torch's by a few ulps), bf16 within one bf16 ulp.
-The GEMV stays F.linear (one cuBLAS kernel, bit-identical logits to the reference).
+The logits come from the MoE block's fused GEMV (qwen4_exp.moe_decode_fused: ftchat/kernels/gemv.py,
+F.linear's math in another summation order).
 Legend: rows = B*T, E experts, K top-k.
 """
 
@@ -27,10 +28,11 @@ ROUTER_MAX_ROWS = 8  # decode batches; prefill keeps the torch path
 
 
 @_jit
-def _topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr,
+def _topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, L_SR, E: tl.constexpr, K: tl.constexpr,
                          KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
                          BF16: tl.constexpr):
-    """Grid (rows,); logits [rows, E] -> ids [rows, K] int64, weights [rows, K] (logits' dtype).
+    """Grid (rows,); logits [rows, E] (row stride L_SR) -> ids [rows, K] int64, weights [rows, K]
+    (logits' dtype).
     fp32 softmax over all E (max, exp, sum); K rounds of: the largest logit not yet chosen, the
     lowest index among equal ones, its probability gathered exactly; IEEE divisions for p and the
     renormalisation; one rounding to the model dtype. Ids: torch's for distinct probabilities;
@@ -38,7 +40,7 @@ def _topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.cons
     r = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    lg = tl.load(logits_ptr + r * E + e, mask=ok, other=float("-inf")).to(tl.float32)
+    lg = tl.load(logits_ptr + r * L_SR + e, mask=ok, other=float("-inf")).to(tl.float32)
     ex = tl.where(ok, tl.exp(lg - tl.max(lg, axis=0)), 0.0)
     total = tl.sum(ex, axis=0)
     kk = tl.arange(0, KP)
@@ -59,14 +61,18 @@ def _topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.cons
 
 
 def router_topk_triton(logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
-    """ids [..., k] int64 and weights [..., k] (logits' dtype) from router logits [..., E]."""
+    """ids [..., k] int64 and weights [..., k] (logits' dtype) from router logits [..., E] (rows
+    may be strided: the columns of the fused MoE GEMV's output)."""
     E = logits.shape[-1]
     assert 0 < k <= E
-    lg = logits.reshape(-1, E).contiguous()
+    lg = logits.reshape(-1, E)
+    if lg.stride(-1) != 1:
+        lg = lg.contiguous()
     rows = lg.shape[0]
     ids = torch.empty(rows, k, dtype=torch.int64, device=lg.device)
     w = torch.empty(rows, k, dtype=lg.dtype, device=lg.device)
-    _topk_softmax_kernel[(rows,)](lg, ids, w, E=E, K=k, KP=max(2, triton.next_power_of_2(k)),
+    _topk_softmax_kernel[(rows,)](lg, ids, w, lg.stride(0), E=E, K=k,
+                                  KP=max(2, triton.next_power_of_2(k)),
                                   BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob,
                                   BF16=_bf16(lg.dtype), num_warps=1)
     lead = logits.shape[:-1]

@@ -114,7 +114,7 @@ def fuse_gdn_projections(w: dict) -> dict[str, Tensor]:
 
 
 def fuse_gdn_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
-    fuse_layers(tensors, layers, "linear_attn", PROJECTIONS, FUSED)
+    fuse_layers(tensors, layers, "linear_attn", fuse_gdn_projections)
 
 
 def gdn_mixer(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:

@@ -6,6 +6,8 @@ applied as (1 + w) in fp32, results cast back to the activation dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -44,7 +46,8 @@ def swiglu(x: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor) -> Tensor:
 
 SHARED_PROJECTIONS = ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight",
                       "shared_expert_gate.weight")  # [I, D], [I, D], [1, D]: all read x
-SHARED_FUSED = "shared_expert_fused.weight"  # [2I + 1, D]; the three above are row views of it
+ROUTER = "gate.weight"  # [E, D]: reads x too
+SHARED_FUSED = "shared_expert_fused.weight"  # [2I + 1 (+ E), D]: the above as row views of it
 
 
 def shared_expert_ref(x: Tensor, w: dict) -> Tensor:
@@ -76,30 +79,38 @@ def fuse_rows(w: dict, names: tuple[str, ...], fused_name: str) -> dict[str, Ten
 
 
 def fuse_layers(tensors: dict[str, Tensor], layers: list[dict], block: str,
-                names: tuple[str, ...], fused_name: str) -> None:
-    """fuse_rows on every layer's `block` dict (Weights does this at load), with the same views
-    in the flat checkpoint-name dict, so nothing holds the originals. On CUDA their blocks go
-    back to the driver after each layer: the expert slots are sized from free VRAM."""
+                fuse: Callable[[dict], dict[str, Tensor]]) -> None:
+    """fuse(w) (a fuse_rows call) on every layer's `block` dict (Weights does this at load), with
+    the same views in the flat checkpoint-name dict, so nothing holds the originals. On CUDA
+    their blocks go back to the driver after each layer: the expert slots are sized from free
+    VRAM."""
     for i, lw in enumerate(layers):
-        views = fuse_rows(lw.get(block, {}), names, fused_name)
+        views = fuse(lw.get(block, {}))
         for name, view in views.items():
             tensors[f"layers.{i}.{block}.{name}"] = view
-        if views and views[names[0]].is_cuda:
+        if views and next(iter(views.values())).is_cuda:
             torch.cuda.empty_cache()
 
 
 def fuse_moe_projections(w: dict) -> dict[str, Tensor]:
-    """The shared expert's gate, up and gate-logit weights as one [2I + 1, D] weight
-    (w[SHARED_FUSED]); only with gate and up alike and a one-row gate."""
+    """The shared expert's gate, up and gate-logit weights, and the router's when alike (same
+    device, dtype and width), as one [2I + 1 (+ E), D] weight (w[SHARED_FUSED]): at decode one
+    GEMV reads x for all of them. Only with gate and up alike and a one-row gate."""
     parts = [w.get(n) for n in SHARED_PROJECTIONS]
     if all(isinstance(p, Tensor) and p.dim() == 2 for p in parts) and (
             parts[0].shape != parts[1].shape or parts[2].shape[0] != 1):
         return {}
-    return fuse_rows(w, SHARED_PROJECTIONS, SHARED_FUSED)
+    names = SHARED_PROJECTIONS
+    router = w.get(ROUTER)
+    if _dense_2d(router) and _dense_2d(parts[0]) and (router.device, router.dtype, router.shape[1]
+                                                      ) == (parts[0].device, parts[0].dtype,
+                                                            parts[0].shape[1]):
+        names = SHARED_PROJECTIONS + (ROUTER,)
+    return fuse_rows(w, names, SHARED_FUSED)
 
 
 def fuse_moe_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
-    fuse_layers(tensors, layers, "mlp", SHARED_PROJECTIONS, SHARED_FUSED)
+    fuse_layers(tensors, layers, "mlp", fuse_moe_projections)
 
 
 def _dense_2d(t) -> bool:

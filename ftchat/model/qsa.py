@@ -405,4 +405,4 @@ def fuse_qsa_projections(w: dict) -> dict[str, Tensor]:
 
 
 def fuse_qsa_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
-    fuse_layers(tensors, layers, "self_attn", PROJECTIONS, FUSED)
+    fuse_layers(tensors, layers, "self_attn", fuse_qsa_projections)

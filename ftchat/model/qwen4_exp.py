@@ -16,7 +16,8 @@ from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend, SharedOut
 from ftchat.model.embedding import EMBED, embed
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
-from ftchat.model.layers import SHARED_FUSED, fuse_moe_layers, rms_norm, shared_expert_ref
+from ftchat.model.layers import (ROUTER, SHARED_FUSED, fuse_moe_layers, rms_norm,
+                                  shared_expert_ref)
 from ftchat.model.ple import ple_layer
 from ftchat.model.qsa import attention_mixer, fuse_qsa_layers
 from ftchat.model.state import DecodeState
@@ -36,7 +37,7 @@ class Weights:
         ]
         self.final_mixer = _sub(tensors, "hyper_connection_mixer.")
         fuse_gdn_layers(tensors, self.layers)  # GDN decode: one GEMV on [qkv | z | b | a]
-        fuse_moe_layers(tensors, self.layers)  # shared expert: one GEMV on [gate | up | gate logit]
+        fuse_moe_layers(tensors, self.layers)  # one GEMV on [gate | up | gate logit | router]
         fuse_qsa_layers(tensors, self.layers)  # QSA decode: one GEMV on [q|gate | k | v | index]
 
     def __getitem__(self, name: str) -> Tensor:
@@ -116,25 +117,43 @@ def route_ref(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
 def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs) -> Tensor:
     """x [B, T, D] -> [B, T, D]: routed experts (through the backend) plus the gated shared expert
     (docs/model.md section 5.1), the shared expert computed while the routed rows are copied.
-    CUDA decode (<= 8 rows, fused shared weights): `shared_expert_parts`, and the backend's
-    routed kernel adds the gate and the sum (`finish(..., shared)`); else the torch reference
-    `routed + shared_expert_ref`. The fused path rounds where torch does (bf16 within ~an ulp)."""
+    CUDA decode (<= 8 rows, fused shared weights): `moe_decode_fused`; else the torch reference
+    `routed + shared_expert_ref`."""
     xt = x.flatten(0, 1)  # [B*T, D]
-    ids, weights = route(xt, w["gate.weight"], a)
-    pending = experts.begin(layer, xt, ids)
     if SHARED_FUSED in w and _fused(xt, ek.DECODE_MAX_TOKENS):
-        return experts.finish(pending, xt, weights, shared_expert_parts(xt, w)).view_as(x)
+        return moe_decode_fused(layer, xt, w, experts, a).view_as(x)
+    ids, weights = route(xt, w[ROUTER], a)
+    pending = experts.begin(layer, xt, ids)
     shared = shared_expert_ref(xt, w)
     return (experts.finish(pending, xt, weights) + shared).view_as(x)
 
 
-def shared_expert_parts(x: Tensor, w: dict) -> SharedOut:
-    """The shared expert before its gate, for CUDA decode: one GEMV on [gate | up | gate logit]
-    [2I + 1, D], silu(g) * u in one kernel, the down GEMV. x [N, D] -> down [N, D], logit [N, 1]."""
+def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs
+                     ) -> Tensor:
+    """CUDA decode of the MoE block, xt [N, D] -> [N, D]: one GEMV on [gate | up | gate logit |
+    router] (the router's rows when fused at load, else its own GEMV), the router kernel, the
+    backend's copies begin; then silu(g) * u in one kernel and the shared down GEMV while they
+    fly; the backend's routed kernel adds the gate and the sum (`finish(..., shared)`). It
+    rounds where torch does (bf16 within ~an ulp); the router logits are the Triton GEMV's, so
+    an expert whose logit ties the k-th within an ulp may be chosen otherwise than on the torch
+    path (the identity tests compare arms of one path)."""
+    I = w["shared_expert.down_proj.weight"].shape[1]
+    proj = gemv.linear(xt, w[SHARED_FUSED])  # [N, 2I + 1 (+ E)]
+    logits = proj[:, 2 * I + 1:] if proj.shape[1] > 2 * I + 1 else F.linear(xt, w[ROUTER])
+    ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob)
+    pending = experts.begin(layer, xt, ids)
+    return experts.finish(pending, xt, weights, shared_expert_parts(xt, w, proj))
+
+
+def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None) -> SharedOut:
+    """The shared expert before its gate, for CUDA decode: the fused GEMV's output proj [N, 2I + 1
+    (+ E)] (computed here when not given), silu(g) * u in one kernel, the down GEMV.
+    x [N, D] -> down [N, D], gate logit [N, 1] (a column view of proj)."""
     down_w = w["shared_expert.down_proj.weight"]  # [D, I]
-    gu = gemv.linear(x, w[SHARED_FUSED])  # [N, 2I + 1]
-    h = ek.shared_act_triton(gu, down_w.shape[1])  # [N, I]
-    return SharedOut(gemv.linear(h, down_w), gu[:, 2 * down_w.shape[1]:])
+    I = down_w.shape[1]
+    proj = gemv.linear(x, w[SHARED_FUSED]) if proj is None else proj
+    h = ek.shared_act_triton(proj, I)  # [N, I]
+    return SharedOut(gemv.linear(h, down_w), proj[:, 2 * I:2 * I + 1])
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,

@@ -44,7 +44,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import sync
+from ftchat.kernels import fused_kernels, gemv, router, sync
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
 from ftchat.model.expert_backend import SharedOut
@@ -301,36 +301,81 @@ def test_v2_leaves_its_counters_zero_and_repeats():
 # ===== dispatch and graph capture =====
 
 
-def _layer(dtype, seed: int):
-    # one MoE layer of the small geometry: router, shared expert (fused at load), resident rows
+def _layer(dtype, seed: int, router_fused: bool = True):
+    # one MoE layer of the small geometry: router and shared expert fused at load (as Weights
+    # does; router_fused False: the router kept apart, e.g. of another dtype), resident rows
     D, I, E, K = GEOS["small"]
     gen = torch.Generator().manual_seed(seed)
-    w = _shared_weights(D, I, dtype, gen)
-    w["gate.weight"] = (torch.randn(E, D, generator=gen) * D ** -0.5).to(dtype).to(DEVICE)
+    w = {"shared_expert.gate_proj.weight": torch.randn(I, D, generator=gen) * D ** -0.5,
+         "shared_expert.up_proj.weight": torch.randn(I, D, generator=gen) * D ** -0.5,
+         "shared_expert.down_proj.weight": torch.randn(D, I, generator=gen) * I ** -0.5,
+         "shared_expert_gate.weight": torch.randn(1, D, generator=gen) * D ** -0.5,
+         "gate.weight": torch.randn(E, D, generator=gen) * D ** -0.5}
+    w = {k: v.to(dtype).to(DEVICE) for k, v in w.items()}
+    router_w = w.pop("gate.weight")
+    if router_fused:
+        w["gate.weight"] = router_w
+    assert layers.fuse_moe_projections(w)
+    w["gate.weight"] = w.get("gate.weight", router_w)
     layout = RowLayout("nvfp4", D, I)
     experts = ResidentExperts(random_rows(layout, E, gen).to(DEVICE), layout, E)
     a = dataclasses.make_dataclass("A", ["num_experts_per_tok", "norm_topk_prob"])(K, True)
     return w, experts, a, gen
 
 
+@pytest.mark.parametrize("router_fused", [True, False], ids=["router_fused", "router_apart"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_moe_block_dispatch(dtype):
-    w, experts, a, gen = _layer(dtype, 61)
-    x = torch.randn(2, 1, GEOS["small"][0], generator=gen).to(dtype).to(DEVICE)
+def test_moe_block_dispatch(dtype, router_fused):
+    w, experts, a, gen = _layer(dtype, 61, router_fused)
+    D, I, E, K = GEOS["small"]
+    assert w[layers.SHARED_FUSED].shape[0] == 2 * I + 1 + (E if router_fused else 0)
+    x = torch.randn(2, 1, D, generator=gen).to(dtype).to(DEVICE)
     got = q.moe_block(0, x, w, experts, a)
     xt = x.flatten(0, 1)
-    ids, weights = q.route(xt, w["gate.weight"], a)
-    pending = experts.begin(0, xt, ids)
-    if DEVICE == "cuda":  # the fused path: shared parts folded into the routed kernels
-        want = experts.finish(pending, xt, weights, q.shared_expert_parts(xt, w))
+    if DEVICE == "cuda":  # the fused path: one GEMV (router rows included), shared parts folded
+        proj = gemv.linear(xt, w[layers.SHARED_FUSED])
+        logits = proj[:, 2 * I + 1:] if router_fused else F.linear(xt, w["gate.weight"])
+        ids, weights = router.router_topk_triton(logits, K, True)
+        pending = experts.begin(0, xt, ids)
+        want = experts.finish(pending, xt, weights, q.shared_expert_parts(xt, w, proj))
     else:  # CPU tensors: the torch reference
+        ids, weights = q.route_ref(xt, w["gate.weight"], a)
+        pending = experts.begin(0, xt, ids)
         want = experts.finish(pending, xt, weights) + layers.shared_expert_ref(xt, w)
     assert torch.equal(got.flatten(0, 1), want)
-    x9 = torch.randn(9, 1, GEOS["small"][0], generator=gen).to(dtype).to(DEVICE)  # > 8 rows
+    x9 = torch.randn(9, 1, D, generator=gen).to(dtype).to(DEVICE)  # > 8 rows: the torch path
     xt9 = x9.flatten(0, 1)
     ids9, w9 = q.route(xt9, w["gate.weight"], a)
     want9 = experts.finish(experts.begin(0, xt9, ids9), xt9, w9) + layers.shared_expert_ref(xt9, w)
     assert torch.equal(q.moe_block(0, x9, w, experts, a).flatten(0, 1), want9)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_block_fused_router_against_the_torch_path(dtype):
+    # the fused path's router logits are the Triton GEMV's (gemv.py's tolerance against F.linear);
+    # with the same ids chosen (checked), the MoE output is within the engine tolerance above
+    w, experts, a, gen = _layer(dtype, 62)
+    D, I, E, K = GEOS["small"]
+    for seed in range(4):
+        x = torch.randn(1 + seed % 2, 1, D, generator=gen).to(dtype).to(DEVICE)
+        xt = x.flatten(0, 1)
+        proj = gemv.linear(xt, w[layers.SHARED_FUSED])
+        ref_logits = F.linear(xt.double(), w["gate.weight"].double())
+        scale = float(ref_logits.abs().max())
+        tol = 1e-5 * scale if dtype == torch.float32 else 2**-7 * ref_logits.abs() + 2**-8 * scale
+        assert bool(((proj[:, 2 * I + 1:].double() - ref_logits).abs() <= tol).all())
+        got = q.moe_block(0, x, w, experts, a).flatten(0, 1)
+        with fused_kernels(False):
+            ids, weights = q.route(xt, w["gate.weight"], a)
+            want = q.moe_block(0, x, w, experts, a).flatten(0, 1)
+        fused_ids, _ = router.router_topk_triton(proj[:, 2 * I + 1:], K, True)
+        assert torch.equal(fused_ids.sort(-1).values, ids.sort(-1).values), seed
+        assert _close(got, want, dtype, engine=True), seed
+        # negative control: one router row scaled changes the fused logits out of tolerance
+        bad = w[layers.SHARED_FUSED].clone()
+        bad[2 * I + 1 + int(ids[0, 0])] *= 3
+        bad_logits = gemv.linear(xt, bad)[:, 2 * I + 1:]
+        assert not bool(((bad_logits.double() - ref_logits).abs() <= tol).all())
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
