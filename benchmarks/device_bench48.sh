@@ -2,6 +2,8 @@
 # The 48-layer decode figures (docs/performance.md): a flash-next-geometry model built in memory
 # (random weights, NVFP4 experts: ~68 GB of rows in host memory), arms side by side per context.
 #   run(command="bash benchmarks/device_bench48.sh resident|offload", timeout_s=600)
+# env: CTX (resident contexts), DENSE=nvfp4 (the GDN qkv / z kept in NVFP4, as the real
+# checkpoint stores them; default bf16)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 case ${1:-resident} in
@@ -18,7 +20,8 @@ arms, ctx, *rest = sys.argv[1:]
 flags = {"slots": int(rest[1])} if rest else {}
 s = resolve_settings(flags, os.environ)
 sys.exit(bench(None, s, os.environ, arms, ctx, 16, 3, True,
-               synthetic=Synthetic("flash-next", 48, "nvfp4-modelopt")))
+               synthetic=Synthetic("flash-next", 48, "nvfp4-modelopt",
+                                   os.environ.get("DENSE", "bf16"))))
 PY
 echo "bench48 $1 rc=$?"; tail -3 "$O/bench48_$1.err"
 python3 - "$O/bench48_$1.json" <<'PY'

@@ -14,7 +14,9 @@ from ftchat.model.synth_memory import synthetic_model
 from ftchat.settings import Settings
 chunks, lengths = ([int(x) for x in a.split(",")] for a in sys.argv[1:3])
 t = time.perf_counter()
-m = synthetic_model("flash-next", 48, "nvfp4-modelopt", "cuda", torch.bfloat16)
+import os
+m = synthetic_model("flash-next", 48, "nvfp4-modelopt", "cuda", torch.bfloat16,
+                    dense=os.environ.get("DENSE", "bf16"))
 out = {"build_s": round(time.perf_counter() - t, 1), "tok_s": {}}
 for chunk in chunks:
     torch.cuda.reset_peak_memory_stats()

@@ -2,6 +2,7 @@
 # Session 8's device calls. Usage: run(command="bash benchmarks/device_s8.sh MODE...", timeout_s=600)
 #   tier   the whole GPU test tier, files in parallel groups (Triton compiles are CPU-bound and the
 #          device has 16 cores), one log per group under $OUT
+#   tests2 / final  the changed kernels' GPU tests (final: with the offload identity grid)
 #   sweep  the HC read's tile sweep (bs 1, 2) and the GEMV at the router / router+shared shapes
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -25,6 +26,30 @@ for mode in "$@"; do
       gpu cache_kernels $T $g/test_cache_kernels_gpu.py
       [ -f $g/test_nvfp4_gemv_gpu.py ] && gpu nvfp4_gemv $T $g/test_nvfp4_gemv_gpu.py
       wait ;;
+    tests2)  # the kernels changed or added since the first call
+      g=tests/gpu
+      gpu nvfp4_gemv $T $g/test_nvfp4_gemv_gpu.py
+      gpu gdn $T $g/test_gdn_decode_gpu.py
+      gpu moe $T $g/test_moe_fused_gpu.py
+      gpu hyper $T $g/test_hyper_router_gpu.py
+      [ -f $g/test_qsa_kv_fp8_gpu.py ] && gpu kv_fp8 $T $g/test_qsa_kv_fp8_gpu.py
+      wait ;;
+    final)  # the last call's tests: everything the session changed, the identity grid included
+      g=tests/gpu
+      gpu dequant $T $g/test_nvfp4_dequant_gpu.py $g/test_nvfp4_gemv_gpu.py
+      gpu gdn_nvfp4 $T $g/test_gdn_decode_gpu.py -k nvfp4
+      gpu moe_kernels $T $g/test_moe_fused_gpu.py $g/test_kernels_gpu.py
+      gpu offload $T $g/test_offload_gpu.py
+      [ -f $g/test_qsa_kv_fp8_gpu.py ] && gpu kv_fp8 $T $g/test_qsa_kv_fp8_gpu.py
+      wait ;;
+    gemv4)
+      timeout 100 python3 benchmarks/bench_gemv.py --nvfp4 --out "$O/bench_gemv_nvfp4.json" \
+        > "$O/bench_gemv_nvfp4.log" 2>&1
+      echo "bench_gemv nvfp4 rc=$?"; grep -i "nvfp4\|16480" "$O/bench_gemv_nvfp4.log" | cut -c1-200 ;;
+    prefill)
+      timeout ${PREFILL_S:-150} python3 benchmarks/profile_prefill.py --layers 4 --tokens 8192 \
+        --chunk 8192,1024 --out "$O/profile_prefill.json" > "$O/profile_prefill.log" 2>&1
+      echo "profile_prefill rc=$?"; cut -c1-160 "$O/profile_prefill.log" | head -70 ;;
     sweep)
       timeout ${SWEEP_S:-170} python3 benchmarks/bench_hyper_router.py --bs 1,2 --sweep \
         --out "$O/bench_hyper_router.json" > "$O/bench_hyper_router.log" 2>&1

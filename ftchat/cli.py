@@ -77,6 +77,11 @@ Device = Annotated[str | None, typer.Option(
 Dtype = Annotated[str | None, typer.Option(
     metavar="auto|float32|bfloat16", rich_help_panel=MODEL,
     help="auto: bfloat16 on CUDA, float32 on CPU")]
+KvCacheDtype = Annotated[str | None, typer.Option(
+    "--kv-cache-dtype", metavar="auto|fp8", rich_help_panel=MODEL,
+    help="Attention K/V cache storage: auto (the model dtype, default) or fp8 (e4m3 with a "
+    "scale per token and head: about half the bytes; changes the output slightly; env "
+    "FTCHAT_KV_CACHE_DTYPE)")]
 Threads = Annotated[int | None, typer.Option(
     "--threads", "-t", metavar="N", rich_help_panel=MODEL,
     help="CPU threads for torch (default: torch's, one per core)")]
@@ -196,6 +201,7 @@ def run(
     prefill_chunk: PrefillChunk = None,
     device: Device = None,
     dtype: Dtype = None,
+    kv_cache_dtype: KvCacheDtype = None,
     threads: Threads = None,
     slots: Slots = None,
     expert_vram: ExpertVram = None,
@@ -341,13 +347,24 @@ def info(
     format: Annotated[str, typer.Option(
         metavar="bf16|nvfp4-modelopt|nvfp4-ct", help="Expert format of --synthetic")
     ] = "nvfp4-modelopt",
+    dense: Annotated[str, typer.Option(
+        metavar="bf16|nvfp4", help="Dense projections of --synthetic: bf16, or the GDN qkv and z "
+        "kept in NVFP4 as the real checkpoint stores them")] = "bf16",
+    kv_cache_dtype: Annotated[str | None, typer.Option(
+        "--kv-cache-dtype", metavar="auto|fp8", help="Plan the K/V cache at the model dtype "
+        "(auto) or fp8, as run --kv-cache-dtype (env FTCHAT_KV_CACHE_DTYPE)")] = None,
 ) -> None:
     """Geometry, bytes and the expert slots that fit in VRAM, without loading the weights;
-    with --context, --batch-size, --slots, --prefill or --synthetic, the whole VRAM plan."""
+    with --context, --batch-size, --slots, --prefill, --synthetic or --kv-cache-dtype, the whole
+    VRAM plan."""
+    from ftchat.settings import resolve_one
+
+    kv = resolve_one("kv_cache_dtype", kv_cache_dtype, os.environ)  # a bad value: one line
     from ftchat.ui.info import info_command
 
     raise typer.Exit(info_command(model, vram, context, batch_size, slots, prefill, synthetic,
-                                  layers, format, os.environ, sys.stdout))
+                                  layers, format, os.environ, sys.stdout, kv_cache_dtype=kv,
+                                  kv_given=kv_cache_dtype is not None, dense=dense))
 
 
 def _engine_flags(local: dict, skip: tuple[str, ...]) -> dict:
@@ -375,8 +392,8 @@ def verify_cmd(
     candidates: Candidates = None, slots: Slots = None, expert_vram: ExpertVram = None,
     vram_budget: VramBudget = None,
     eviction: Eviction = None, overlap: Overlap = None, context: Context = None,
-    device: Device = None, dtype: Dtype = None, copy_programs: CopyPrograms = None,
-    threads: Threads = None,
+    device: Device = None, dtype: Dtype = None, kv_cache_dtype: KvCacheDtype = None,
+    copy_programs: CopyPrograms = None, threads: Threads = None,
 ) -> None:
     """Prefetch on vs off, token by token, over N cold prompts; exits 1 on any difference.
 
@@ -414,7 +431,7 @@ def audit_cmd(
     budget_attn: BudgetAttn = None, candidates: Candidates = None, slots: Slots = None,
     expert_vram: ExpertVram = None, vram_budget: VramBudget = None, eviction: Eviction = None,
     overlap: Overlap = None, context: Context = None, device: Device = None, dtype: Dtype = None,
-    threads: Threads = None,
+    kv_cache_dtype: KvCacheDtype = None, threads: Threads = None,
 ) -> None:
     """A decode run with the slot audit on; exits 1 if any held slot's bytes are wrong."""
     flags = _engine_flags(locals(), ("model", "prompt", "audit_every", "every", "max_new_tokens",
@@ -454,23 +471,27 @@ def bench_cmd(
     format: Annotated[str, typer.Option(
         metavar="bf16|nvfp4-modelopt|nvfp4-ct", help="Expert format of --synthetic")
     ] = "nvfp4-modelopt",
+    dense: Annotated[str, typer.Option(
+        metavar="bf16|nvfp4", help="Dense projections of --synthetic: bf16, or the GDN qkv and z "
+        "kept in NVFP4 as the real checkpoint stores them")] = "bf16",
     json: Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")] = False,
     slots: Slots = None, expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
     eviction: Eviction = None, graph: Graph = None, device: Device = None, dtype: Dtype = None,
-    copy_programs: CopyPrograms = None, threads: Threads = None,
+    kv_cache_dtype: KvCacheDtype = None, copy_programs: CopyPrograms = None,
+    threads: Threads = None,
 ) -> None:
     """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""
     flags = _engine_flags(locals(), ("model", "arms", "context", "steps", "rounds", "json",
-                                     "synthetic", "layers", "format"))
+                                     "synthetic", "layers", "format", "dense"))
     from ftchat.ui.debug import Synthetic, bench
     from ftchat.ui.run import apply_threads
     settings = resolve_settings(flags, os.environ)
     if synthetic is not None and model is not None:
         raise FtchatError("give MODEL or --synthetic, not both")
-    if synthetic is None and layers is not None:
-        raise FtchatError("--layers needs --synthetic")
+    if synthetic is None and (layers is not None or dense != "bf16"):
+        raise FtchatError("--layers and --dense need --synthetic")
     apply_threads(settings)
-    synth = None if synthetic is None else Synthetic(synthetic, layers, format)
+    synth = None if synthetic is None else Synthetic(synthetic, layers, format, dense)
     raise typer.Exit(bench(model, settings, os.environ, arms, context, steps, rounds, json,
                            synthetic=synth))
 

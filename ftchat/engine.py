@@ -18,6 +18,7 @@ from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.ngram_table import HostTable
+from ftchat.model.nvfp4 import Nvfp4Weight
 from ftchat.model.qwen4_exp import Weights, forward
 from ftchat.model.rows import RowLayout
 from ftchat.model.state import DecodeState
@@ -154,7 +155,7 @@ def _decode(m: LoadedModel, state: DecodeState, experts: ExpertBackend, tokens: 
 def graph_safe(m: LoadedModel) -> bool:
     """Whether the decode step can be captured: every weight it reads is a device tensor, or a
     host n-gram table the gather kernel reads without a host sync (pinned, CUDA + Triton)."""
-    return all(isinstance(t, Tensor)
+    return all(isinstance(t, (Tensor, Nvfp4Weight))
                or (isinstance(t, HostTable) and t.sync_free(m.device, m.dtype))
                for t in m.weights.tensors.values())
 
@@ -164,10 +165,12 @@ class Decoder:
     decode step (cache logic and copies included) replays from one CUDA graph."""
 
     def __init__(self, m: LoadedModel, experts: ExpertBackend, batch: int, max_len: int,
-                 graph: bool = False, prefill_chunk: int | None = None):
+                 graph: bool = False, prefill_chunk: int | None = None,
+                 kv_dtype: torch.dtype | None = None):
         self.m, self.experts = m, experts
         self.prefill_chunk = prefill_chunk  # tokens a prefill call takes; None: PREFILL_CHUNK
-        self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype)
+        # kv_dtype: the K/V cache storage (None: the model dtype; Settings.kv_torch_dtype)
+        self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype, kv_dtype)
         self.graph = None
         if graph and not graph_safe(m):
             graph = False  # the n-gram table is read from host files each step: eager only
@@ -300,12 +303,12 @@ def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int]
 
 
 def generate(m: LoadedModel, prompts: list[list[int]], max_new_tokens: int,
-             experts: ExpertBackend, max_len: int | None = None, graph: bool = False
-             ) -> Iterator[Step]:
+             experts: ExpertBackend, max_len: int | None = None, graph: bool = False,
+             kv_dtype: torch.dtype | None = None) -> Iterator[Step]:
     """Greedy decode of a batch of fresh prompts for exactly max_new_tokens tokens each (no stop
     tokens), in a fresh Decoder: `decode` with the defaults tests and verify use."""
     max_len = max_len or max(len(p) for p in prompts) + max_new_tokens + 1
-    dec = Decoder(m, experts, len(prompts), max_len, graph)
+    dec = Decoder(m, experts, len(prompts), max_len, graph, kv_dtype=kv_dtype)
     B = len(prompts)
     return decode(dec, prompts, [0] * B, [max_new_tokens] * B)
 

@@ -186,8 +186,9 @@ class Session:
         dtype = str(m.dtype).removeprefix("torch.")
         return (f"{a.num_hidden_layers} layers ({a.num_hidden_layers - n_attn} GDN, {n_attn} "
                 f"attention), {a.num_experts} experts top-{a.num_experts_per_tok} "
-                f"({m.layout.kind} rows), {m.device.type} {dtype}, context {self.max_len}, "
-                f"experts: {type(self.experts).__name__}")
+                f"({m.layout.kind} rows), {m.device.type} {dtype}, context {self.max_len}"
+                + (" (K/V cache fp8)" if self.settings.kv_cache_dtype == "fp8" else "")
+                + f", experts: {type(self.experts).__name__}")
 
     def warms_up(self) -> bool:
         """Whether `warm_up` pays off: CUDA (Triton compiles, graph capture, cuBLAS and allocator
@@ -359,7 +360,8 @@ class Session:
     def _new_decoder(self, rows: int) -> engine.Decoder:
         return engine.Decoder(self.model, self.experts, rows, self.max_len,
                               graph=self.settings.use_graph(),
-                              prefill_chunk=self.settings.prefill_chunk)
+                              prefill_chunk=self.settings.prefill_chunk,
+                              kv_dtype=self.settings.kv_torch_dtype())
 
     def _decoder(self, batch: int) -> engine.Decoder:
         """The batch decoder of `batch` rows (made once: a CUDA graph is captured per size)."""

@@ -1,6 +1,6 @@
 """Settings: one frozen object, resolved once at start-up from CLI flags, then the
-`FREETOKEN_MOE_*` environment variables of the seeds (and FTCHAT_VRAM_BUDGET), then defaults
-(docs/design.md section 1).
+`FREETOKEN_MOE_*` environment variables of the seeds (and FTCHAT_VRAM_BUDGET,
+FTCHAT_KV_CACHE_DTYPE), then defaults (docs/design.md section 1).
 
 Nothing else in ftchat reads these variables: the CLI passes `os.environ` in here.
 """
@@ -24,6 +24,7 @@ ENV_VERIFY = "FREETOKEN_MOE_PREFETCH_VERIFY"
 ENV_AUDIT = "FREETOKEN_MOE_SLOT_AUDIT"
 ENV_SLIM_COPY = "FREETOKEN_MOE_SLIM_COPY"
 ENV_VRAM_BUDGET = "FTCHAT_VRAM_BUDGET"  # GiB; ftchat's own, not a seed variable
+ENV_KV_CACHE_DTYPE = "FTCHAT_KV_CACHE_DTYPE"  # auto or fp8; ftchat's own
 
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
@@ -32,6 +33,7 @@ Eviction = Literal["rule", "lru"]  # see offload/policy.py
 VerifyMode = Literal["meta", "bytes"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 DtypeName = Literal["auto", "float32", "bfloat16"]
+KvCacheDtype = Literal["auto", "fp8"]  # auto: the model dtype; fp8: e4m3 + scales (kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,7 @@ class Settings:
     prefill_chunk: int | None = None  # tokens per prefill call; None: engine.PREFILL_CHUNK
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
+    kv_cache_dtype: KvCacheDtype = "auto"  # how attention K/V are stored; fp8 changes outputs
     verify: VerifyMode | None = None
     audit_every: int = 0  # 0: off
     copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
@@ -89,6 +92,12 @@ class Settings:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return {"float32": torch.float32, "bfloat16": torch.bfloat16}[self.dtype]
+
+    def kv_torch_dtype(self) -> torch.dtype | None:
+        """The K/V cache storage dtype: None (auto: the model dtype) or float8_e4m3fn."""
+        from ftchat.model.kv_cache import KV_DTYPES
+
+        return KV_DTYPES[self.kv_cache_dtype]
 
     def watched(self) -> bool:
         """Whether a debug watcher (verifier, slot audit, routing recorder) is on."""
@@ -259,6 +268,8 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "prefill_chunk": ("prefill_chunk", "--prefill-chunk", _int(1), None, None),
     "device": ("device", "--device", _choice(DeviceName), None, None),
     "dtype": ("dtype", "--dtype", _choice(DtypeName), None, None),
+    "kv_cache_dtype": ("kv_cache_dtype", "--kv-cache-dtype", _choice(KvCacheDtype),
+                       ENV_KV_CACHE_DTYPE, _choice(KvCacheDtype)),
     "verify": ("verify", "--verify", _choice(VerifyMode), ENV_VERIFY, _verify_env),
     "audit_every": ("audit", "--audit", _int(0), ENV_AUDIT, _int(0)),
     "copy_programs": ("copy_programs", "--copy-programs", _int(0), ENV_SLIM_COPY,
@@ -290,8 +301,8 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
 
     Args:
         flags: flag name with underscores (`budget_gdn`, `expert_vram`, ...) -> value or None.
-        env: the process environment (only the FREETOKEN_MOE_* variables and
-            FTCHAT_VRAM_BUDGET are read).
+        env: the process environment (only the FREETOKEN_MOE_* variables,
+            FTCHAT_VRAM_BUDGET and FTCHAT_KV_CACHE_DTYPE are read).
     Raises:
         SettingsError: one line naming the flag or variable with the bad value.
     """
@@ -321,6 +332,17 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
                 raise SettingsError(f"{flag} applies to sampling: give --temp above 0 too "
                                     "(decoding is greedy by default)")
     return Settings(**values)
+
+
+def resolve_one(field: str, flag: object, env: Mapping[str, str]) -> object:
+    """One setting as `resolve_settings` gives it (the flag's value, None: not given; else the
+    variable; else the default), for a command that takes a single engine setting (info)."""
+    _, typed, parse, var, parse_env = _SOURCES[field]
+    if flag is not None:
+        return parse(flag, typed)
+    if var is not None and env.get(var, "").strip():
+        return parse_env(env[var], var)
+    return getattr(Settings(), field)
 
 
 def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, int]:

@@ -23,6 +23,7 @@ import torch
 from ftchat.engine import PLE_ON_DEVICE_BYTES, PREFILL_CHUNK
 from ftchat.errors import FtchatError
 from ftchat.model.config import ModelArgs
+from ftchat.model.nvfp4 import Nvfp4Weight, nvfp4_bytes
 from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs
 from ftchat.offload.experts import EXPERT_GROUP
@@ -57,6 +58,8 @@ class Workload:
     graphs: bool = True  # one CUDA graph (and its private pool) per decoder
     resident_rows: bool = False  # every expert row on the device too (bench's resident arms)
     candidates: int = 16  # router-lookahead top-C (the backend's cands buffer)
+    dense_nvfp4: bool = False  # the GDN qkv / z kept in NVFP4 (an NVFP4 checkpoint stores them so)
+    kv_cache_dtype: str = "auto"  # K/V storage: auto (the model dtype) or fp8 (codes + scales)
 
     @property
     def batch(self) -> int:
@@ -127,14 +130,20 @@ def table_on_device(a: ModelArgs, act: int) -> tuple[int, bool]:
     return n * act, n * act <= PLE_ON_DEVICE_BYTES
 
 
-def dense_items(a: ModelArgs, dtype: torch.dtype, cuda: bool = True) -> list[Item]:
+def dense_items(a: ModelArgs, dtype: torch.dtype, cuda: bool = True,
+                dense_nvfp4: bool = False) -> list[Item]:
     """The dense weights as load_model leaves them: every float at the model dtype (NVFP4 ones
-    dequantized), int64 buffers kept; the load-time fusions only concatenate (row views). On
-    CUDA the embedding stays in pinned host memory (ftchat/model/embedding.py)."""
+    dequantized, but with dense_nvfp4 the GDN qkv / z, kept packed: nvfp4.Nvfp4Weight), int64
+    buffers kept; the load-time fusions only concatenate (row views). On CUDA the embedding
+    stays in pinned host memory (ftchat/model/embedding.py)."""
     act = dtype.itemsize
     by_kind = dict.fromkeys(DENSE_KINDS, 0)
     for name, spec in dense_specs(a).items():
-        if SHARD not in name:
+        if SHARD in name:
+            continue
+        if dense_nvfp4 and spec.kept_nvfp4:
+            by_kind[dense_kind(name)] += nvfp4_bytes(*spec.shape)
+        else:
             by_kind[dense_kind(name)] += _numel(spec.shape) * (8 if spec.init == "int64" else act)
     by_kind["lm_head"] = a.vocab_size * a.hidden_size * act
     embed = by_kind["embedding"]
@@ -150,8 +159,10 @@ def dense_items(a: ModelArgs, dtype: torch.dtype, cuda: bool = True) -> list[Ite
                       f"{embed / GIB:,.2f} GiB): a decode step reads one row over UVA, 0 B of "
                       "VRAM" if cuda else f"[{a.vocab_size}, {a.hidden_size}] at {dt}"),
         "lm_head": f"[{a.vocab_size}, {a.hidden_size}] at {dt}",
-        "GDN projections": f"{n_gdn} GDN layers: in_proj qkv/z/b/a, out_proj, conv1d, A_log, "
-                           f"dt_bias at {dt} (NVFP4 ones dequantized at load)",
+        "GDN projections": (f"{n_gdn} GDN layers: in_proj qkv/z in NVFP4 (kept packed), b/a, "
+                            f"out_proj, conv1d, A_log, dt_bias at {dt}" if dense_nvfp4 else
+                            f"{n_gdn} GDN layers: in_proj qkv/z/b/a, out_proj, conv1d, A_log, "
+                            f"dt_bias at {dt} (NVFP4 ones dequantized at load)"),
         "attention projections": f"{n_attn} attention layers: q/k/v/o and the QSA index "
                                  f"projection at {dt}",
         "router and shared expert": f"{a.num_hidden_layers} layers: router [{a.num_experts}, "
@@ -182,9 +193,15 @@ def state_items(a: ModelArgs, dtype: torch.dtype, w: Workload) -> list[Item]:
     ple_cols = (a.ple_conv_kernel_size - 1) * a.ngram_size
     who = f"{rows} row(s) x {L:,} tokens" + (f" (decoders of {', '.join(map(str, w.decoders))} "
                                               "rows)" if len(w.decoders) > 1 else "")
+    kv = (Item("KV cache (K and V)", n_attn * rows * L * 2 * Hkv * (hd + 4),
+               f"{n_attn} attention layers x {who} x 2 x ([{Hkv}, {hd}] fp8 + [{Hkv}] fp32 "
+               "scales)", grows="context")
+          if w.kv_cache_dtype == "fp8" else
+          Item("KV cache (K and V)", n_attn * rows * L * 2 * Hkv * hd * act,
+               f"{n_attn} attention layers x {who} x 2 x [{Hkv}, {hd}] x {act} B",
+               grows="context"))
     return [
-        Item("KV cache (K and V)", n_attn * rows * L * 2 * Hkv * hd * act,
-             f"{n_attn} attention layers x {who} x 2 x [{Hkv}, {hd}] x {act} B", grows="context"),
+        kv,
         Item("QSA index keys", n_attn * rows * L * di * act,
              f"raw index keys: {n_attn} layers x {rows} x {L:,} x {di} x {act} B",
              grows="context"),
@@ -250,15 +267,20 @@ def bank_item(layout: RowLayout, w: Workload, slots: int) -> Item:
 # ===== estimates: activations, workspaces, graph pools =====
 
 
-def _dequant_bytes(layout: RowLayout, act: int, a: ModelArgs, experts: int) -> int:
-    """The torch expert path's weights for `experts` experts (offload/experts.py): the rows are
-    gathered; NVFP4 rows dequantize in fp32 (codes as int64, values, scales, product: ~24 B per
-    element of gate_up), then cast; float rows are cast (no copy when the dtype is the same)."""
+def _dequant_bytes(layout: RowLayout, act: int, a: ModelArgs, experts: int, T: int,
+                   cuda: bool) -> int:
+    """The torch expert path's transients for `experts` experts at a time over T tokens
+    (offload/experts.py): the rows gathered; NVFP4 rows dequantized, on CUDA by one kernel
+    straight to the model dtype (kernels/nvfp4_dequant.py), on the CPU in fp32 (codes, values,
+    scales, product: ~24 B per element of gate_up), then cast; float rows cast (no copy when the
+    dtype is the same); plus the [T*K, D] pair buffer (inputs, then products)."""
     H, I = a.hidden_size, a.moe_intermediate_size
     rows = experts * layout.nbytes  # the rows gathered from the bank (a copy)
+    pairs = T * a.num_experts_per_tok * H * act
     if layout.kind == "nvfp4":
-        return rows + experts * (2 * I * H * 24 + 3 * I * H * act)
-    return rows + (0 if layout.dtype.itemsize == act else experts * 3 * I * H * act)
+        fp32 = 0 if cuda else experts * 2 * I * H * 24
+        return rows + fp32 + experts * 3 * I * H * act + pairs
+    return rows + (0 if layout.dtype.itemsize == act else experts * 3 * I * H * act) + pairs
 
 
 def decode_workspace(a: ModelArgs, layout: RowLayout, act: int, B: int, L: int,
@@ -273,7 +295,8 @@ def decode_workspace(a: ModelArgs, layout: RowLayout, act: int, B: int, L: int,
               2 * a.shared_expert_intermediate_size + 1)
     S = a.indexer_budget + r - 1
     experts = (B * K * (2 * I + H) * 4 if fused and B <= 8
-               else _dequant_bytes(layout, act, a, min(a.num_experts, B * K, EXPERT_GROUP)))
+               else _dequant_bytes(layout, act, a, min(a.num_experts, B * K, EXPERT_GROUP), B,
+                                   fused))
     return {
         "logits": 2 * B * V * act,  # the step's, and the copy decode yields under a graph
         "residual": 6 * B * hcD * act,  # R in and out, normed copies
@@ -313,7 +336,7 @@ def prefill_workspace(a: ModelArgs, layout: RowLayout, act: int, T: int, L: int,
     U = min(a.num_experts, T * a.num_experts_per_tok)
     layers = {"attention": _prefill_attention(a, act, T, L, fused),
               f"routed experts of {U} ({layout.kind}, torch path, {EXPERT_GROUP} at a time)":
-                  _dequant_bytes(layout, act, a, min(U, EXPERT_GROUP)),
+                  _dequant_bytes(layout, act, a, min(U, EXPERT_GROUP), T, fused),
               "GDN chunked": 16 * T * (2 * Hk * dk + 2 * Hv * dk)}  # fp32 chunk tensors
     top = max(layers, key=layers.get)  # one layer's transients at a time
     return {top: layers[top], "residual": 6 * T * hcD * act,
@@ -362,8 +385,8 @@ def plan(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Workload, slots
     Order: dense weights, the estimates, the decode state, the backend, the slot bank last. A
     refusal names the item where the running sum passes the budget, so a context too long for
     the budget is pinned on the (exact) KV item, not on an estimate that follows it."""
-    items = [*dense_items(a, dtype, w.cuda), *workspace_items(a, layout, dtype, w),
-             *state_items(a, dtype, w), *expert_side_items(a, layout, dtype, w, slots),
+    items = [*dense_items(a, dtype, w.cuda, w.dense_nvfp4),
+             *workspace_items(a, layout, dtype, w), *state_items(a, dtype, w), *expert_side_items(a, layout, dtype, w, slots),
              bank_item(layout, w, slots)]
     return VramPlan(tuple(items), slots, layout.nbytes, a.num_hidden_layers * a.num_experts,
                     w.batch * a.num_experts_per_tok)
@@ -476,13 +499,23 @@ def checkpoint_inputs(folder: str | Path) -> tuple[ModelArgs, RowLayout]:
     return ck.args, ck.row_layout()
 
 
-def synthetic_inputs(preset: str, layers: int | None, fmt: str) -> tuple[ModelArgs, RowLayout]:
+def checkpoint_dense_nvfp4(folder: str | Path) -> bool:
+    """Whether loading `folder` keeps the GDN qkv / z in NVFP4 (Workload.dense_nvfp4), from the
+    safetensors headers."""
+    from ftchat.model.checkpoint import Checkpoint
+
+    return Checkpoint(folder).kept_nvfp4()
+
+
+def synthetic_inputs(preset: str, layers: int | None, fmt: str, dense: str = "bf16"
+                     ) -> tuple[ModelArgs, RowLayout]:
     """Args and row layout of the model `ftchat synth` (or bench --synthetic) would build."""
-    from ftchat.model.synth import FORMATS
+    from ftchat.model.synth import FORMATS, check_dense
     from ftchat.model.synth_memory import model_args, row_layout
 
     if fmt not in FORMATS:
         raise FtchatError(f"--format {fmt!r}: expected {', '.join(FORMATS)}")
+    check_dense(dense, fmt)
     if layers is not None and layers < 2:
         raise FtchatError("--layers must be at least 2")
     a = model_args(preset, layers, fmt)
@@ -515,7 +548,7 @@ def run_workload(a: ModelArgs, layout: RowLayout, settings: Settings) -> Workloa
     T = min(settings.prefill_chunk or PREFILL_CHUNK, L)
     return Workload(L, tuple(range(1, settings.batch_size + 1)), (given_slots(settings, layout),),
                     T, cuda, cuda and settings.use_graph(),
-                    candidates=settings.candidates)
+                    candidates=settings.candidates, kv_cache_dtype=settings.kv_cache_dtype)
 
 
 def verify_workload(a: ModelArgs, layout: RowLayout, settings: Settings, max_new: int,
@@ -525,7 +558,8 @@ def verify_workload(a: ModelArgs, layout: RowLayout, settings: Settings, max_new
     cuda = settings.torch_device().type == "cuda"
     L = settings.context or max_new + PROMPT_BOUND
     return Workload(L, (1,), (given_slots(settings, layout),) * arms, min(PREFILL_CHUNK, L), cuda,
-                    cuda and settings.graph is True, candidates=settings.candidates)
+                    cuda and settings.graph is True, candidates=settings.candidates,
+                    kv_cache_dtype=settings.kv_cache_dtype)
 
 
 def bench_workload(a: ModelArgs, layout: RowLayout, base: Settings,
@@ -537,7 +571,10 @@ def bench_workload(a: ModelArgs, layout: RowLayout, base: Settings,
     return Workload(max_len, (1,) * len(arms), tuple(given_slots(s, layout) for s in offload), 1,
                     cuda, cuda and any((s or base).use_graph() for s in arms),
                     resident_rows=cuda and len(offload) < len(arms),
-                    candidates=max((s.candidates for s in offload), default=base.candidates))
+                    candidates=max((s.candidates for s in offload), default=base.candidates),
+                    # fp8 only when every arm stores fp8 (mixed arms: planned at the larger)
+                    kv_cache_dtype="fp8" if all((s or base).kv_cache_dtype == "fp8" for s in arms)
+                    else "auto")
 
 
 def budget_bytes(settings: Settings) -> int | None:
@@ -557,7 +594,8 @@ def budget_slots(m: LoadedModel, settings: Settings) -> int:
     """engine.num_slots under --vram-budget: the run plan's slots for the loaded model."""
     w = run_workload(m.args, m.layout, settings)
     w = dataclasses.replace(w, cuda=m.device.type == "cuda", graphs=w.graphs and
-                            m.device.type == "cuda")
+                            m.device.type == "cuda", dense_nvfp4=any(
+                                isinstance(t, Nvfp4Weight) for t in m.weights.tensors.values()))
     return check(m.args, m.layout, m.dtype, w, budget_bytes(settings)).slots
 
 

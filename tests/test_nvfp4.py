@@ -367,3 +367,11 @@ def test_cuda_matches_cpu_bitwise():
     assert torch.equal(gpu[2].cpu(), cpu[2])
     out = nvfp4.dequantize(*gpu)
     assert out.device.type == "cuda" and torch.equal(out.cpu(), nvfp4.dequantize(*cpu))
+
+
+def test_e2m1_values_is_the_table_without_a_host_tensor():
+    # dequantize decodes by arithmetic (graph-capture safe); every code, the sign of -0 too
+    codes = torch.arange(16, dtype=torch.uint8)
+    got = nvfp4.e2m1_values(codes)
+    assert got.dtype == torch.float32 and got.tolist() == TABLE
+    assert torch.equal(torch.signbit(got), torch.signbit(nvfp4.E2M1_VALUES))

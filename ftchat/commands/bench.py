@@ -3,8 +3,8 @@
 Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:graph=0`,
 `resident:fused=0`) gets its own expert backend and decode state over the same loaded weights;
 every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
-kernel's before/after). After the rounds one more step of each arm is profiled: kernels per
-step and the device's busy time.
+kernel's before/after); `off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
+rounds one more step of each arm is profiled: kernels per step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
 context length over a zero KV cache: the figures are the step cost at that context, not model
 quality.
@@ -94,7 +94,8 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
     before, t = _allocated(m), time.perf_counter()
     ex = resident if s is None else build_experts(m, s)
     with fused_kernels(spec.fused):  # a captured graph keeps the choice
-        dec = Decoder(m, ex, 1, max_len, graph=(base if s is None else s).use_graph())
+        cfg = base if s is None else s
+        dec = Decoder(m, ex, 1, max_len, graph=cfg.use_graph(), kv_dtype=cfg.kv_torch_dtype())
         steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
         next(steps)  # the prefill of the start token
     _sync(m.device)
@@ -177,7 +178,8 @@ def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int]) -> dict:
     ex = build_experts(m, dataclasses.replace(base, prefetch="off"))
     out = {}
     for n in lengths:
-        dec = Decoder(m, ex, 1, n + 2, prefill_chunk=base.prefill_chunk)
+        dec = Decoder(m, ex, 1, n + 2, prefill_chunk=base.prefill_chunk,
+                      kv_dtype=base.kv_torch_dtype())
         ids = torch.randint(0, min(1000, m.args.vocab_size), (n,))
         dec.prefill(0, ids[:256], 0)  # warm-up
         dec.reset()

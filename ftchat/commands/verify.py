@@ -59,8 +59,9 @@ class PromptVerdict:
     graph_first_mismatch: dict[str, int | None] | None = None
 
 
-def _greedy(m: LoadedModel, ids: list[int], max_new: int, ex) -> list[int]:
-    return [s.tokens[0] for s in generate(m, [ids], max_new, ex)]
+def _greedy(m: LoadedModel, ids: list[int], max_new: int, ex, settings: Settings) -> list[int]:
+    return [s.tokens[0] for s in generate(m, [ids], max_new, ex,
+                                          kv_dtype=settings.kv_torch_dtype())]
 
 
 def graph_refusal(settings: Settings) -> str | None:
@@ -84,7 +85,8 @@ class GraphArm:
     between prompts, as a session reuses its decoder), through `engine.decode`."""
 
     def __init__(self, m: LoadedModel, settings: Settings, max_len: int):
-        self.dec = Decoder(m, build_experts(m, settings), 1, max_len, graph=True)
+        self.dec = Decoder(m, build_experts(m, settings), 1, max_len, graph=True,
+                           kv_dtype=settings.kv_torch_dtype())
         if self.dec.graph is None:  # Decoder falls back to eager: that would not be graph replay
             raise FtchatError("--graph: this model's decode step cannot be captured in a CUDA "
                               "graph (its n-gram table is read from host files each step)")
@@ -120,11 +122,11 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
                   "on": GraphArm(m, on_settings, max_len)}
     verdicts = []
     for i, ids in enumerate(prompts):
-        off = _greedy(m, ids, max_new, build_experts(m, off_settings))
+        off = _greedy(m, ids, max_new, build_experts(m, off_settings), off_settings)
         verifier = Verifier(mode, a.num_hidden_layers, m.device)
         audit = SlotAudit(audit_every, S, m.device)
         ex = build_experts(m, on_settings, hooks=HookChain([verifier, audit]))
-        on = _greedy(m, ids, max_new, ex)
+        on = _greedy(m, ids, max_new, ex, on_settings)
         audit.audit(BackendView(ex))  # the cache as the prompt left it
         first = next((j for j, (x, y) in enumerate(zip(off, on)) if x != y), None)
         graph_first = None if graphs is None else {
@@ -144,7 +146,7 @@ def audit_run(m: LoadedModel, prompts: list[list[int]], settings: Settings, ever
     audit = SlotAudit(every, S, m.device)
     ex = build_experts(m, dataclasses.replace(settings, batch_size=1), hooks=audit)
     for ids in prompts:
-        for _ in generate(m, [ids], max_new, ex):
+        for _ in generate(m, [ids], max_new, ex, kv_dtype=settings.kv_torch_dtype()):
             pass
         audit.audit(BackendView(ex))  # the cache as the prompt left it
     return audit

@@ -33,6 +33,15 @@ The block scores agree to fp32 rounding, so the chosen blocks are the same excep
 near-tie (within that rounding), where either choice is as good as the scores can tell.
 Launched with `enable_fp_fusion=False` so no a*b + c becomes an FMA that torch does not do.
 
+FP8 KV cache (opt-in, ftchat/model/kv_cache.py; a constexpr FP8 switch, so the model-dtype
+kernels are unchanged): the prep kernel quantizes each K and V row as `kv_cache.quantize_rows`
+does (scale = amax / 448 by IEEE division, codes = the division by it, clamped to +-448 and
+rounded to nearest even: the e4m3 rounding in bits, `_e4m3`, because the Triton interpreter's
+fp8 cast does not round to nearest even) and stores the code bytes and the fp32 scale; the split
+kernel loads the codes and the rows' scales and dequantizes, fp32(code) * scale rounded to the
+model dtype, as `kv_cache.dequantize_rows` before the torch attention. Same inputs: the same
+bytes and values as the torch path.
+
 Legend: B rows, Hq/Hkv query/kv heads, G = Hq/Hkv, GP = G padded (>= 16 for the product), hd head
 dim, Hi index heads, di index dim, rd rotary dims, r compress ratio, N candidate blocks, K chosen
 blocks, S = K*r + r - 1 selected slots, NP fused projection width.
@@ -48,6 +57,7 @@ from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 from ftchat.kernels.hyper import _rnd
+from ftchat.model.kv_cache import FP8, FP8_MAX, is_fp8
 
 QSA_MAX_ROWS = 8  # decode batches; more rows keep the torch path
 SMS = 132  # H200 SMs: the split count aims at about two programs per SM
@@ -128,15 +138,55 @@ def _pooled(ik_row, raw_src, start, d, IK_SL, R: tl.constexpr, BF16: tl.constexp
 
 
 @_jit
-def _head_to(dst, src, w_ptr, invf_ptr, posf, EPS, D: tl.constexpr, RD: tl.constexpr,
-             BF16: tl.constexpr):
-    # dst[:D] = RoPE(RMSNorm(src[:D])): one query, key or index-query head
+def _head(src, w_ptr, invf_ptr, posf, EPS, D: tl.constexpr, RD: tl.constexpr,
+          BF16: tl.constexpr):
+    # RoPE(RMSNorm(src[:D])) [D], fp32 holding model-dtype values: one query, key or index head
     d = tl.arange(0, D)
     pd = _partner(d, RD)
     x = tl.load(src + d).to(tl.float32)
     xp = tl.load(src + pd).to(tl.float32)
-    y = _norm_rope(x, xp, w_ptr, d, pd, invf_ptr, posf, EPS, D, RD, BF16)
-    tl.store(dst + d, y.to(dst.dtype.element_ty))
+    return _norm_rope(x, xp, w_ptr, d, pd, invf_ptr, posf, EPS, D, RD, BF16)
+
+
+@_jit
+def _head_to(dst, src, w_ptr, invf_ptr, posf, EPS, D: tl.constexpr, RD: tl.constexpr,
+             BF16: tl.constexpr):
+    # dst[:D] = RoPE(RMSNorm(src[:D])): one query, key or index-query head
+    y = _head(src, w_ptr, invf_ptr, posf, EPS, D, RD, BF16)
+    tl.store(dst + tl.arange(0, D), y.to(dst.dtype.element_ty))
+
+
+@_jit
+def _e4m3(t):
+    # the float8_e4m3fn code (int32 0..255) of fp32 t, |t| <= 448, rounded to nearest even as
+    # torch's cast. Normal codes (|t| >= 2^-6): fp32's mantissa cut to 3 bits, ties to even (a
+    # carry bumps the exponent), the exponent rebiased 127 -> 7. Below 2^-6 the codes are the
+    # multiples of 2^-9: rint(|t| * 2^9), rounded by adding 2^23 (exact: a power-of-two scale)
+    bits = t.to(tl.int32, bitcast=True)
+    mag = bits & 0x7FFFFFFF
+    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+    sub = (mag.to(tl.float32, bitcast=True) * 512.0 + 8388608.0).to(tl.int32, bitcast=True)
+    code = tl.where(mag >= 0x3C800000, normal, sub - 0x4B000000)  # 2^-6; the bits of 2^23
+    return code | ((bits >> 24) & 0x80)
+
+
+@_jit
+def _store_e4m3(dst, s_dst, y, d, FP8_MAX: tl.constexpr):
+    # kv_cache.quantize_rows of one K or V row y [D] (fp32 holding model-dtype values): the
+    # codes' bytes at dst + d, the fp32 scale amax / 448 (1 for an all-zero row) at s_dst
+    amax = tl.max(tl.abs(y), axis=0)
+    scale = tl.where(amax > 0, tl.div_rn(amax, FP8_MAX), 1.0)
+    t = tl.minimum(tl.maximum(tl.div_rn(y, scale), -FP8_MAX), FP8_MAX)
+    tl.store(dst + d, _e4m3(t).to(tl.uint8))
+    tl.store(s_dst, scale)
+
+
+@_jit
+def _dequant(codes, s_ptrs, ok, BF16: tl.constexpr):
+    # kv_cache.dequantize_rows of a tile codes [BLOCK_N, hd] (fp8): fp32(code) * its row's scale
+    # (s_ptrs [BLOCK_N], masked by ok), rounded to the model dtype (fp32 holding it)
+    s = tl.load(s_ptrs, mask=ok, other=0.0)
+    return _rnd(codes.to(tl.float32) * s[:, None], BF16)
 
 
 @_jit
@@ -160,15 +210,17 @@ def _index_key(src, ik_row, kbar_row, ikn_ptr, invf_ptr, p, IK_SL, KB_SN, NMAX, 
 
 @_jit(do_not_specialize=["NMAX"])
 def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, q_ptr, iq_ptr,
-                 k_ptr, v_ptr, ik_ptr, kbar_ptr, PROJ_SB, POS_SB, K_SB, K_SL, V_SB, V_SL, IK_SB,
-                 IK_SL, KB_SB, KB_SN, NMAX, EPS, HQ: tl.constexpr, HKV: tl.constexpr,
-                 HD: tl.constexpr, HI: tl.constexpr, DI: tl.constexpr, RD: tl.constexpr,
-                 R: tl.constexpr, BF16: tl.constexpr):
+                 k_ptr, v_ptr, ik_ptr, kbar_ptr, ks_ptr, vs_ptr, PROJ_SB, POS_SB, K_SB, K_SL,
+                 V_SB, V_SL, IK_SB, IK_SL, KB_SB, KB_SN, KS_SB, KS_SL, VS_SB, VS_SL, NMAX, EPS,
+                 HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HI: tl.constexpr,
+                 DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr,
+                 FP8: tl.constexpr, FP8_MAX: tl.constexpr):
     """Grid (B, Hq + Hkv + Hi + 1). proj [B, NP] -> q [B, Hq, hd], iq [B, Hi, di]; writes
     k, v [B, L, Hkv, hd] and ik [B, L, di] at p = pos[b], kbar [B, NMAX, di] at p // r when the
     token completes its block. Program j: j < Hq query head j; then kv head j - Hq (k normed and
     roped, v copied); then index query head; the last: raw index key and k̄. Exact but for the
-    fp32 statistic's summation order and the rsqrt/cos/sin implementations."""
+    fp32 statistic's summation order and the rsqrt/cos/sin implementations. FP8: k and v are
+    the caches' code bytes (uint8), their scales ks, vs [B, L, Hkv] fp32 (module docstring)."""
     b = tl.program_id(0)
     j = tl.program_id(1)
     K_OFF: tl.constexpr = HQ * 2 * HD
@@ -184,10 +236,20 @@ def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, 
                  RD, BF16)
     elif j < HQ + HKV:
         g = j - HQ
-        _head_to(k_ptr + b64 * K_SB + p * K_SL + g * HD, proj + K_OFF + g * HD, kn_ptr, invf_ptr,
-                 posf, EPS, HD, RD, BF16)
-        dv = tl.arange(0, HD)
-        tl.store(v_ptr + b64 * V_SB + p * V_SL + g * HD + dv, tl.load(proj + V_OFF + g * HD + dv))
+        if FP8:
+            d = tl.arange(0, HD)
+            y = _head(proj + K_OFF + g * HD, kn_ptr, invf_ptr, posf, EPS, HD, RD, BF16)
+            _store_e4m3(k_ptr + b64 * K_SB + p * K_SL + g * HD,
+                        ks_ptr + b64 * KS_SB + p * KS_SL + g, y, d, FP8_MAX)
+            _store_e4m3(v_ptr + b64 * V_SB + p * V_SL + g * HD,
+                        vs_ptr + b64 * VS_SB + p * VS_SL + g,
+                        tl.load(proj + V_OFF + g * HD + d).to(tl.float32), d, FP8_MAX)
+        else:
+            _head_to(k_ptr + b64 * K_SB + p * K_SL + g * HD, proj + K_OFF + g * HD, kn_ptr,
+                     invf_ptr, posf, EPS, HD, RD, BF16)
+            dv = tl.arange(0, HD)
+            tl.store(v_ptr + b64 * V_SB + p * V_SL + g * HD + dv,
+                     tl.load(proj + V_OFF + g * HD + dv))
     elif j < HQ + HKV + HI:
         h = j - HQ - HKV
         _head_to(iq_ptr + (b * HI + h) * DI, proj + IQ_OFF + h * DI, iqn_ptr, invf_ptr, posf,
@@ -266,15 +328,17 @@ def _pv(pr, vt, TC: tl.constexpr, BF16: tl.constexpr):
 
 
 @_jit(do_not_specialize=["SEL_SB", "S", "K", "NSPLIT", "TILES"])
-def _split_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, selv_ptr, pos_ptr, part_ptr, ml_ptr, K_SB, K_SL,
-                  V_SB, V_SL, SEL_SB, POS_SB, S, K, NSPLIT, TILES, SCALE, HQ: tl.constexpr,
-                  HKV: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, GP: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCKS_MODE: tl.constexpr, BF16: tl.constexpr,
-                  TC: tl.constexpr):
+def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sel_ptr, selv_ptr, pos_ptr, part_ptr,
+                  ml_ptr, K_SB, K_SL, V_SB, V_SL, KS_SB, KS_SL, VS_SB, VS_SL, SEL_SB, POS_SB, S,
+                  K, NSPLIT, TILES, SCALE, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
+                  R: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCKS_MODE: tl.constexpr, BF16: tl.constexpr, TC: tl.constexpr,
+                  FP8: tl.constexpr):
     """Grid (B * Hkv, NSPLIT); split j covers slots [j, j + 1) * TILES * BLOCK_N. q [B, Hq, hd];
     k, v [B, L, Hkv, hd] caches -> part [B, Hq, NSPLIT, hd] fp32 (unnormalised o), ml [B, Hq,
     NSPLIT, 2] fp32 (running max m, sum l). Per tile: gather BLOCK_N K rows of the slots (masked:
-    an invalid slot is never read), scores = q.K^T for the G query heads at once (IEEE fp32),
+    an invalid slot is never read; FP8: codes, dequantized with their rows' scales ks, vs
+    [B, L, Hkv] to the model dtype), scores = q.K^T for the G query heads at once (IEEE fp32),
     rounded as torch's model-dtype product then times 1/sqrt(hd); online softmax (fp32), P.V
     accumulated in fp32 (TC: both products on tensor cores, bf16 models on CUDA). A split with
     no valid slot leaves m = -inf, l = 0, o = 0. With the
@@ -294,6 +358,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, selv_ptr, pos_ptr, part_ptr, ml_
     p = tl.load(pos_ptr + b * POS_SB).to(tl.int64)
     kb = k_ptr + b.to(tl.int64) * K_SB + g * HD
     vb = v_ptr + b.to(tl.int64) * V_SB + g * HD
+    ksb = ks_ptr + b.to(tl.int64) * KS_SB + g  # FP8 only: the rows' scales
+    vsb = vs_ptr + b.to(tl.int64) * VS_SB + g
     sel_row = sel_ptr + b * SEL_SB
     selv_row = selv_ptr + b * SEL_SB
     tail0 = (p + 1) // R * R - K * R
@@ -304,6 +370,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, selv_ptr, pos_ptr, part_ptr, ml_
         slot = (j * TILES + t) * BLOCK_N + tl.arange(0, BLOCK_N)
         idx, ok = _slots(sel_row, selv_row, slot, S, K * R, tail0, p, R, BLOCKS_MODE)
         kt = tl.load(kb + idx[:, None] * K_SL + d[None, :], mask=ok[:, None], other=0.0)
+        if FP8:
+            kt = _dequant(kt, ksb + idx * KS_SL, ok, BF16).to(q.dtype)
         sc = _dot(q, tl.trans(kt), TC)  # [GP, BLOCK_N]
         if BF16:
             sc = _rnd(_rnd(sc, BF16) * SCALE, BF16)
@@ -316,6 +384,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, sel_ptr, selv_ptr, pos_ptr, part_ptr, ml_
         pr = tl.exp(sc - m_use[:, None])  # 0 at invalid slots
         l = l * alpha + tl.sum(pr, axis=1)
         vt = tl.load(vb + idx[:, None] * V_SL + d[None, :], mask=ok[:, None], other=0.0)
+        if FP8:
+            vt = _dequant(vt, vsb + idx * VS_SL, ok, BF16).to(q.dtype)
         acc = acc * alpha[:, None] + _pv(pr, vt, TC, BF16)
         m = m_new
     row = (b * HQ + heads) * NSPLIT + j  # [GP]
@@ -396,7 +466,8 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
         proj: [B, NP] fused projection output (layout: QsaDims.proj_width), model dtype.
         pos: [B, 1] (or [B]) integer positions on the device.
         cache: the layer's 'k', 'v' [B, L, Hkv, hd], 'ik' [B, L, di], 'kbar' [B, L // r, di],
-            written in place at pos (rows may be a batch slice; each row dense).
+            written in place at pos (rows may be a batch slice; each row dense); an FP8 cache
+            (kv_cache.is_fp8) also 'k_scale', 'v_scale' [B, L, Hkv] fp32.
         norms: the zero-centred weights (q_norm [hd], k_norm [hd], q_layernorm [di], k_layernorm [di]).
     Returns:
         q [B, Hq, hd] and iq [B, Hi, di] normed and roped, model dtype.
@@ -404,18 +475,30 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
     B = proj.shape[0]
     Hq, Hkv, hd, Hi, di = dims.heads, dims.kv_heads, dims.head_dim, dims.index_heads, dims.index_dim
     k, v, ik, kbar = cache["k"], cache["v"], cache["ik"], cache["kbar"]
+    fp8 = is_fp8(cache)
     assert proj.shape == (B, dims.proj_width) and proj.stride(1) == 1
     assert k.shape[0] == B and k.shape[2:] == (Hkv, hd) and v.shape == k.shape
-    assert all(t[0].is_contiguous() and t.dtype == proj.dtype for t in (k, v, ik, kbar))
+    assert all(t[0].is_contiguous() for t in (k, v, ik, kbar))
+    assert all(t.dtype == proj.dtype for t in ((ik, kbar) if fp8 else (k, v, ik, kbar)))
+    if fp8:
+        ks, vs = cache["k_scale"], cache["v_scale"]
+        assert v.dtype == FP8 and ks.shape == vs.shape == k.shape[:3]
+        assert ks.dtype == vs.dtype == torch.float32
+        assert ks[0].is_contiguous() and vs[0].is_contiguous()
+        k, v = k.view(torch.uint8), v.view(torch.uint8)  # the kernel stores the codes' bytes
+    else:
+        ks = vs = k  # not read
     q = torch.empty(B, Hq, hd, dtype=proj.dtype, device=proj.device)
     iq = torch.empty(B, Hi, di, dtype=proj.dtype, device=proj.device)
     pos2 = pos.view(B, -1)
     _prep_kernel[(B, Hq + Hkv + Hi + 1)](
         proj, pos2, inv_freq(proj.device, dims.rotary_dim, theta), *norms, q, iq, k, v, ik, kbar,
-        proj.stride(0), pos2.stride(0), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        ik.stride(0), ik.stride(1), kbar.stride(0), kbar.stride(1), kbar.shape[1], float(eps),
+        ks, vs, proj.stride(0), pos2.stride(0), k.stride(0), k.stride(1), v.stride(0),
+        v.stride(1), ik.stride(0), ik.stride(1), kbar.stride(0), kbar.stride(1), ks.stride(0),
+        ks.stride(1), vs.stride(0), vs.stride(1), kbar.shape[1], float(eps),
         HQ=Hq, HKV=Hkv, HD=hd, HI=Hi, DI=di, RD=dims.rotary_dim, R=dims.ratio,
-        BF16=_bf16(proj.dtype), num_warps=2 if hd <= 128 else 4, enable_fp_fusion=False)
+        BF16=_bf16(proj.dtype), FP8=fp8, FP8_MAX=FP8_MAX, num_warps=2 if hd <= 128 else 4,
+        enable_fp_fusion=False)
     return q, iq
 
 
@@ -456,13 +539,15 @@ def _tile_defaults(tc: bool, cuda: bool) -> tuple[int, int]:
 def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
                   dims: QsaDims, *, blocks: Tensor | None = None, block_keys: Tensor | None = None,
                   idx: Tensor | None = None, ok: Tensor | None = None, tiles: int | None = None,
-                  block_n: int | None = None, num_warps: int | None = None) -> Tensor:
+                  block_n: int | None = None, num_warps: int | None = None,
+                  kv_scales: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Kernels 3 and 4: o [B, Hq*hd] = softmax attention of q over the selected tokens, times
     sigmoid(gate), in q's dtype (ready for o_proj).
 
     Args:
         q: [B, Hq, hd] (normed, roped); gate: [B, Hq, hd] (last dim dense; a view of proj).
-        k_cache, v_cache: [B, L, Hkv, hd]; pos: [B, 1] or [B] positions.
+        k_cache, v_cache: [B, L, Hkv, hd] in q's dtype, or FP8 codes (kv_cache.FP8) with
+            kv_scales = (k_scale, v_scale) [B, L, Hkv] fp32; pos: [B, 1] or [B] positions.
         blocks, block_keys: [B, K] top-k block indices and their ranking keys (valid: >= 0);
             the slots are their K*r tokens and the r - 1 tail slots (select_blocks' set).
         idx, ok: instead, explicit token indices [B, S] and validity [B, S].
@@ -473,6 +558,13 @@ def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos
     Hkv, r = dims.kv_heads, dims.ratio
     assert q.is_contiguous() and gate.shape == q.shape and gate.stride(2) == 1
     assert k_cache[0].is_contiguous() and v_cache[0].is_contiguous()
+    fp8 = k_cache.dtype == FP8
+    assert v_cache.dtype == k_cache.dtype and (kv_scales is not None) == fp8
+    ks, vs = kv_scales if fp8 else (q, q)  # q: not read
+    assert not fp8 or (ks.shape == vs.shape == k_cache.shape[:3] and ks[0].is_contiguous()
+                       and vs[0].is_contiguous() and ks.dtype == vs.dtype == torch.float32)
+    ks_sb, ks_sl, vs_sb, vs_sl = ((ks.stride(0), ks.stride(1), vs.stride(0), vs.stride(1)) if fp8
+                                  else (0, 0, 0, 0))
     pos2 = pos.view(B, -1)
     tc = q.dtype == torch.bfloat16 and q.is_cuda
     bn_default, warps_default = _tile_defaults(tc, q.is_cuda)
@@ -495,10 +587,11 @@ def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos
     gp = max(16, triton.next_power_of_2(Hq // Hkv))
     bf16 = _bf16(q.dtype)
     _split_kernel[(B * Hkv, nsplit)](
-        q, k_cache, v_cache, sel, selv, pos2, part, ml, k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), sel_sb, pos2.stride(0), S, K, nsplit, tiles,
-        hd**-0.5, HQ=Hq, HKV=Hkv, HD=hd, R=r, GP=gp, BLOCK_N=block_n, BLOCKS_MODE=blocks_mode,
-        BF16=bf16, TC=tc, num_warps=num_warps or warps_default, enable_fp_fusion=False)
+        q, k_cache, v_cache, ks, vs, sel, selv, pos2, part, ml, k_cache.stride(0),
+        k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), ks_sb, ks_sl, vs_sb, vs_sl,
+        sel_sb, pos2.stride(0), S, K, nsplit, tiles, hd**-0.5, HQ=Hq, HKV=Hkv, HD=hd, R=r, GP=gp,
+        BLOCK_N=block_n, BLOCKS_MODE=blocks_mode, BF16=bf16, TC=tc, FP8=fp8,
+        num_warps=num_warps or warps_default, enable_fp_fusion=False)
     out = torch.empty(B, Hq * hd, dtype=q.dtype, device=q.device)
     ch = 8
     _combine_kernel[(B * Hq,)](

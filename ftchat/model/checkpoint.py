@@ -128,20 +128,32 @@ class Checkpoint:
         return torch.float32 if stored == "F32" else torch.bfloat16  # rows keep fp32 exact
 
     # ===== dense weights =====
-    def linear(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        """A [out, in] weight `name` (ending in .weight), dequantized when stored as NVFP4."""
+    def linear(self, name: str, shape: tuple[int, ...], keep_nvfp4: bool = False
+               ) -> Tensor | nvfp4.Nvfp4Weight:
+        """A [out, in] weight `name` (ending in .weight), dequantized when stored as NVFP4, or
+        with keep_nvfp4 kept so (an Nvfp4Weight)."""
         base = name[: -len(".weight")]
         for dialect in nvfp4.DIALECTS:
             names = nvfp4.tensor_names(dialect, base)
             if self.has(names["packed"]) and self.has(names["block_scale"]) and (
                     dialect != nvfp4.MODELOPT or self.has(names["global"])):
                 packed, scale, g = nvfp4.from_checkpoint(dialect, self.get, base)
-                w = nvfp4.dequantize(packed, scale, g)
+                w = nvfp4.Nvfp4Weight.of(packed, scale, g)
                 if tuple(w.shape) != tuple(shape):
                     raise ModelError(f"{self.folder}: NVFP4 tensor {base} dequantizes to "
                                      f"{list(w.shape)}, expected {list(shape)}")
-                return w
+                return w if keep_nvfp4 else nvfp4.dequantize(packed, scale, g)
         return self.get(name, shape)
+
+    def kept_nvfp4(self) -> bool:
+        """Whether load keeps some dense weight in NVFP4 (the GDN qkv / z projections of an NVFP4
+        checkpoint), from the file headers alone."""
+        for name, spec in dense_specs(self.args).items():
+            if spec.kept_nvfp4:
+                base = name[: -len(".weight")]  # a ModelOpt packed tensor is named .weight too
+                return any(self.has(nvfp4.tensor_names(d, base)["block_scale"])
+                           for d in nvfp4.DIALECTS)
+        return False
 
     def dense(self, dtype: torch.dtype, device: str | torch.device = "cpu",
               progress: Callable[[int, int], None] | None = None,
@@ -163,10 +175,11 @@ class Checkpoint:
             if spec.init == "int64":
                 t = self.get(name, spec.shape)
             elif name.endswith(".weight") and spec.quantizable:
-                t = self.linear(name, spec.shape)
+                t = self.linear(name, spec.shape, spec.kept_nvfp4)
             else:
                 t = self.get(name, spec.shape)
-            out[name] = t.to(device) if t.dtype == torch.int64 else t.to(device, dtype)
+            keep = isinstance(t, nvfp4.Nvfp4Weight) or t.dtype == torch.int64
+            out[name] = t.to(device) if keep else t.to(device, dtype)
             if progress:
                 progress(n + 1, len(specs))
         for name, parts in shards.items():

@@ -6,7 +6,10 @@ State per sequence: conv [C, Kc-1] (last pre-activation inputs) and S [Hv, dk, d
 
 `gdn_mixer_ref` is the torch path (CPU, prefill) and the reference; on CUDA a decode step (T == 1)
 runs `gdn_decode_fused`: one GEMV on the fused input projection, one Triton kernel
-(ftchat/kernels/gdn_decode.py), the out_proj GEMV.
+(ftchat/kernels/gdn_decode.py), the out_proj GEMV. With qkv and z kept in NVFP4 (an NVFP4
+checkpoint, nvfp4.Nvfp4Weight) the projection GEMV reads them packed and b | a as a bf16 tail
+(ftchat/kernels/nvfp4_gemv.py); the torch path dequantizes them per call, to the bits load-time
+dequantization gave.
 """
 
 from __future__ import annotations
@@ -15,14 +18,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import gemv, use_fused
+from ftchat.kernels import gemv, nvfp4_dequant, nvfp4_gemv, use_fused
 from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import fuse_layers, fuse_rows, gated_rms_norm, l2norm
+from ftchat.model.nvfp4 import Nvfp4Weight
 
 CHUNK = 64
 PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 FUSED = "in_proj_fused.weight"  # [N, D]; the four PROJECTIONS entries are row views of it
+FUSED_NVFP4 = "in_proj_qkvz.nvfp4"  # Nvfp4Weight [C + Hv*dv, D]: qkv and z kept in NVFP4, as views
+FUSED_BA = "in_proj_ba.weight"  # [2 Hv, D]: b and a beside FUSED_NVFP4 (never quantized), views
 
 
 def causal_conv(u: Tensor, conv_state: Tensor, w: Tensor) -> Tensor:
@@ -108,9 +114,21 @@ def chunk_states(S: Tensor, e: Tensor, kd: Tensor, U: Tensor, Wk: Tensor
     return states.unflatten(0, (B, H)), v_new.unflatten(0, (B, H))
 
 
-def fuse_gdn_projections(w: dict) -> dict[str, Tensor]:
-    """The four input projections as one weight w[FUSED] (row views; layers.fuse_rows)."""
-    return fuse_rows(w, PROJECTIONS, FUSED)
+def fuse_gdn_projections(w: dict) -> dict[str, Tensor | Nvfp4Weight]:
+    """The four input projections as one weight w[FUSED] (row views; layers.fuse_rows); with qkv
+    and z kept in NVFP4, those two as one Nvfp4Weight w[FUSED_NVFP4] and b, a as w[FUSED_BA]."""
+    qkv, z, b, a = (w.get(n) for n in PROJECTIONS)
+    if not (isinstance(qkv, Nvfp4Weight) and isinstance(z, Nvfp4Weight)):
+        return fuse_rows(w, PROJECTIONS, FUSED)
+    if FUSED_NVFP4 in w or qkv.shape[1] != z.shape[1] or qkv.device != z.device:
+        return {}
+    fused = Nvfp4Weight.cat([qkv, z])
+    views = {PROJECTIONS[0]: fused.rows(0, qkv.shape[0]),
+             PROJECTIONS[1]: fused.rows(qkv.shape[0], fused.shape[0])}
+    views.update(fuse_rows(w, PROJECTIONS[2:], FUSED_BA))
+    w.update(views)
+    w[FUSED_NVFP4] = fused
+    return views
 
 
 def fuse_gdn_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
@@ -130,8 +148,11 @@ def gdn_decode_fused(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: Model
     (conv, q/k norm, gates, delta rule, gated norm), out_proj. Static shapes, no host sync."""
     if FUSED in w:
         proj = F.linear(x[:, 0], w[FUSED])  # [B, N]
+    elif FUSED_NVFP4 in w and FUSED_BA in w:  # qkv | z packed, b | a the bf16 tail: one launch
+        q4 = w[FUSED_NVFP4]
+        proj = nvfp4_gemv.linear(x[:, 0], q4.packed, q4.scale, q4.g, tail=w[FUSED_BA])
     else:  # weights that could not be fused (e.g. kept in another format): four GEMVs
-        proj = torch.cat([F.linear(x[:, 0], w[n]) for n in PROJECTIONS], dim=-1)
+        proj = torch.cat([F.linear(x[:, 0], dense(w[n], x.dtype)) for n in PROJECTIONS], dim=-1)
     o = gdn_decode_step(proj, conv_state, S, w["conv1d.weight"], w["A_log"], w["dt_bias"],
                         w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type)
     return gemv.linear(o, w["out_proj.weight"])[:, None]  # [B, 1, D]
@@ -145,9 +166,17 @@ def _dims(a: ModelArgs) -> tuple[int, int, int, int]:
 # ===== torch path and reference =====
 
 
+def dense(t: Tensor | Nvfp4Weight, dtype: torch.dtype) -> Tensor:
+    """A projection weight as a dense tensor: an Nvfp4Weight dequantized to dtype (one kernel on
+    CUDA, the bits of Nvfp4Weight.dequantize)."""
+    if isinstance(t, Nvfp4Weight):
+        return nvfp4_dequant.dequantize(t.packed, t.scale, t.g, dtype)
+    return t
+
+
 def gdn_project(x: Tensor, w: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The four input projections of x [B, T, D]: u [B, T, C], z [B, T, Hv*dv], b, a [B, T, Hv]."""
-    return tuple(F.linear(x, w[n]) for n in PROJECTIONS)
+    return tuple(F.linear(x, dense(w[n], x.dtype)) for n in PROJECTIONS)
 
 
 def gdn_core_ref(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tensor, S: Tensor,

@@ -88,7 +88,7 @@ def fuse_layers(tensors: dict[str, Tensor], layers: list[dict], block: str,
         views = fuse(lw.get(block, {}))
         for name, view in views.items():
             tensors[f"layers.{i}.{block}.{name}"] = view
-        if views and next(iter(views.values())).is_cuda:
+        if views and next(iter(views.values())).device.type == "cuda":
             torch.cuda.empty_cache()
 
 

@@ -8,6 +8,7 @@ keeps 1 / g. Pure torch; every result lives on the device of its inputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Iterable
 
 import torch
@@ -98,13 +99,21 @@ def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
     return pack_nibbles(codes.reshape(N, K)), block_scale, g
 
 
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes (uint8, 0..15) -> their fp32 values (E2M1_VALUES[codes], -0 for code 8), by
+    arithmetic on the codes' device: no host table, so it runs inside a CUDA-graph capture."""
+    c = codes.to(torch.int32)
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.ldexp(1.0 + 0.5 * m, e - 1))  # exact in fp32
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
 def dequantize(
     packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor
 ) -> torch.Tensor:
     """packed uint8 [..., K/2], block_scale e4m3 [..., K/16], global fp32 ([] / [1] / [...])
     -> fp32 [..., K]. A global of shape packed.shape[:-1] is per row (RowLayout globals)."""
-    codes = unpack_nibbles(packed).long()  # [..., K]
-    values = E2M1_VALUES.to(packed.device)[codes]  # [..., K]
+    values = e2m1_values(unpack_nibbles(packed))  # [..., K] fp32
     scale = block_scale.float().repeat_interleave(GROUP, dim=-1)  # [..., K]
     g = global_scale.float()
     g = g.reshape(()) if g.numel() == 1 else g.unsqueeze(-1)  # [] or [..., 1]
@@ -266,3 +275,59 @@ def dialect_from_quant_config(qc: dict | None) -> str | None:
         return COMPRESSED_TENSORS
     raise ModelError(f"unsupported quant_method {method or None!r}; ftchat reads bf16 or NVFP4 "
                      f"(modelopt NVFP4, compressed-tensors nvfp4-pack-quantized)")
+
+
+# ===== a dense weight kept in NVFP4 =====
+
+
+@dataclass(frozen=True)
+class Nvfp4Weight:
+    """A dense [N, K] weight kept as stored: packed uint8 [N, K/2], block scale e4m3 [N, K/16],
+    global fp32 [N] (per row, so that projections with different globals concatenate).
+
+    The GDN qkv and z projections of an NVFP4 checkpoint stay in this form (ARCH 5.3): a decode
+    GEMV reads 4.5 bits a weight instead of 16 (ftchat/kernels/nvfp4_gemv.py). `dequantize(dtype)`
+    is what load-time dequantization gave: the torch path's weight, bit for bit."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    g: torch.Tensor
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, scale: torch.Tensor, g: torch.Tensor) -> "Nvfp4Weight":
+        """From a checkpoint's triple (global [] / [1] / [N])."""
+        g = g.float().reshape(-1)
+        return cls(packed, scale, g.expand(packed.shape[0]).contiguous())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.packed.shape[0], 2 * self.packed.shape[1])
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.g))
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] in dtype (fp32 math, one rounding): the weight load-time dequant gives."""
+        return dequantize(self.packed, self.scale, self.g).to(dtype)
+
+    def to(self, device: str | torch.device) -> "Nvfp4Weight":
+        return Nvfp4Weight(*(t.to(device) for t in (self.packed, self.scale, self.g)))
+
+    def rows(self, start: int, stop: int) -> "Nvfp4Weight":
+        """Rows [start, stop) as views."""
+        return Nvfp4Weight(self.packed[start:stop], self.scale[start:stop], self.g[start:stop])
+
+    @staticmethod
+    def cat(parts: "list[Nvfp4Weight]") -> "Nvfp4Weight":
+        return Nvfp4Weight(*(torch.cat([getattr(p, f) for p in parts])
+                             for f in ("packed", "scale", "g")))
+
+
+def nvfp4_bytes(n: int, k: int) -> int:
+    """Bytes of an [n, k] Nvfp4Weight: codes, block scales, per-row globals."""
+    return n * k // 2 + n * k // GROUP + 4 * n

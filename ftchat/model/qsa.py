@@ -14,6 +14,10 @@ written once per block when its last token arrives), a fixed-size top-k and a ga
 budget + r - 1 tokens. Its shapes depend on kv_len only, never on the data, so it can be
 captured in a CUDA graph (there kv_len is the whole capacity and the positions live on the device).
 
+K and V are stored in the model dtype or, opt-in, as FP8 codes with a scale per token and kv head
+(model/kv_cache.py: written by `store_kv`, read by `gather_kv`); index and block keys stay in the
+model dtype.
+
 `attention_mixer_ref` is the torch path (CPU, prefill) and the reference. A CUDA decode step runs
 `attention_decode_fused`: one GEMV on the load-time concatenation of the four input projections
 (`fuse_qsa_projections`), then ftchat/kernels/qsa_decode.py (norms, RoPE and the cache writes in
@@ -34,6 +38,7 @@ from ftchat.kernels.qsa_decode import (QsaDims, qsa_attention, qsa_decode_suppor
                                        qsa_rank_keys)
 from ftchat.kernels.topk_select import topk_keys
 from ftchat.model.config import ModelArgs
+from ftchat.model.kv_cache import gather_kv, is_fp8, store_kv
 from ftchat.model.layers import apply_rope, fuse_layers, fuse_rows, rms_norm, rope_cos_sin
 
 
@@ -161,7 +166,7 @@ def dense_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int
                     a: ModelArgs) -> Tensor:
     """o [B, T, Hq*hd] over the first kv_len cache entries under the dense selection mask."""
     mask = select_tokens(iq, cache["ik"][:, :kv_len], pos, w, a)  # [B, T, L]
-    return attend(q, cache["k"][:, :kv_len], cache["v"][:, :kv_len], mask, a)
+    return attend(q, *gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype), mask, a)
 
 
 # ===== prefill: the sparse selection per query chunk =====
@@ -264,15 +269,16 @@ def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: i
     plain causal attention over L <= budget + r - 1; longer ones run in the chunks of queries of
     `prefill_chunks`, each query over its <= budget + r - 1 selected tokens only."""
     r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-    k, v = cache["k"], cache["v"]
     if kv_len // r <= top:  # select_tokens would give the causal mask itself (docs/model.md 4.2)
         causal = torch.arange(kv_len, device=pos.device) <= pos[..., None]  # [B, T, L]
-        return attend(q, k[:, :kv_len], v[:, :kv_len], causal, a)
+        return attend(q, *gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype), causal,
+                      a)
     rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
     out = []
     for part, span in prefill_chunks(pos, kv_len, a):
         idx, ok = select_blocks_rows(iq[:, part], cache["kbar"], pos[:, part], span, a)
-        out.append(attend_rows(q[:, part], k[rows, idx], v[rows, idx], ok))  # [B, tq, S, Hkv, hd]
+        keys, vals = gather_kv(cache, (rows, idx), q.dtype)  # [B, tq, S, Hkv, hd]
+        out.append(attend_rows(q[:, part], keys, vals, ok))
     return torch.cat(out, dim=1)
 
 
@@ -281,7 +287,7 @@ def sparse_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: in
     """o [B, 1, Hq*hd] of one query per row over its <= budget + r - 1 selected tokens only."""
     idx, ok = select_blocks(iq[:, 0], cache["kbar"], pos[:, 0], kv_len, a)  # [B, S]
     rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
-    keys, vals = cache["k"][rows, idx], cache["v"][rows, idx]  # [B, S, Hkv, hd]
+    keys, vals = gather_kv(cache, (rows, idx), q.dtype)  # [B, S, Hkv, hd]
     return attend(q, keys, vals, ok[:, None], a)
 
 
@@ -345,7 +351,9 @@ def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len:
     blocks, keys = select_blocks_fused(iq, cache["kbar"], pos, kv_len, a)
     hd = a.head_dim
     gate = proj[:, : dims.heads * 2 * hd].unflatten(-1, (dims.heads, 2 * hd))[..., hd:]  # [B, Hq, hd]
-    o = qsa_attention(q, gate, cache["k"], cache["v"], pos, dims, blocks=blocks, block_keys=keys)
+    scales = (cache["k_scale"], cache["v_scale"]) if is_fp8(cache) else None
+    o = qsa_attention(q, gate, cache["k"], cache["v"], pos, dims, blocks=blocks, block_keys=keys,
+                      kv_scales=scales)
     return gemv.linear(o, w["o_proj.weight"])[:, None]
 
 
@@ -372,8 +380,7 @@ def attention_inputs_ref(qg: Tensor, k: Tensor, v: Tensor, iqk: Tensor, w: dict,
     iq = rms_norm(iqk[..., : Hi * di].unflatten(-1, (Hi, di)), w["indexer.q_layernorm.weight"], eps)
     iq = apply_rope(iq, cos[:, :, None], sin[:, :, None])
     rows = torch.arange(B, device=qg.device)[:, None].expand(B, T)
-    cache["k"][rows, pos] = k
-    cache["v"][rows, pos] = v
+    store_kv(cache, (rows, pos), k, v)  # model dtype, or FP8 codes and scales
     cache["ik"][rows, pos] = iqk[..., Hi * di :]
     write_block_keys(cache, pos, w, a)
     return q, gate, iq

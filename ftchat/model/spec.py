@@ -22,6 +22,7 @@ class TensorSpec:
     shape: tuple[int, ...]
     init: str
     quantizable: bool = False  # an NVFP4 export may quantize it
+    kept_nvfp4: bool = False  # stored NVFP4, it stays so in memory (nvfp4.Nvfp4Weight)
 
 
 def hc_specs(prefix: str, a: ModelArgs, inject: bool = True) -> dict[str, TensorSpec]:
@@ -62,8 +63,9 @@ def layer_specs(i: int, a: ModelArgs) -> dict[str, TensorSpec]:
         conv_dim = 2 * Hk * dk + Hv * dv
         g = f"{p}.linear_attn"
         s.update({
-            f"{g}.in_proj_qkv.weight": TensorSpec((conv_dim, D), LINEAR, True),
-            f"{g}.in_proj_z.weight": TensorSpec((Hv * dv, D), LINEAR, True),
+            # the real checkpoint stores these two NVFP4 (ARCH 5.3): a decode GEMV reads them so
+            f"{g}.in_proj_qkv.weight": TensorSpec((conv_dim, D), LINEAR, True, True),
+            f"{g}.in_proj_z.weight": TensorSpec((Hv * dv, D), LINEAR, True, True),
             f"{g}.in_proj_b.weight": TensorSpec((Hv, D), LINEAR),
             f"{g}.in_proj_a.weight": TensorSpec((Hv, D), LINEAR),
             f"{g}.conv1d.weight": TensorSpec((conv_dim, 1, a.linear_conv_kernel_dim), CONV),

@@ -106,7 +106,7 @@ def hf_config(preset: str, layers: int | None, fmt: str, dense: str = "bf16") ->
     """The config.json of a synthetic checkpoint (wrapper with text_config)."""
     if fmt not in FORMATS:
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
-    _check_dense(dense, fmt)
+    check_dense(dense, fmt)
     vocab, _ = preset_vocab(preset)
     text = preset_config(preset, layers, special_ids(preset)["<|endoftext|>"], vocab)
     hf = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
@@ -302,7 +302,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
     """
     if fmt not in FORMATS:
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
-    _check_dense(dense, fmt)
+    check_dense(dense, fmt)
     if ple_table not in PLE_TABLES:
         raise FtchatError(f"unknown PLE table {ple_table!r}: use one of {', '.join(PLE_TABLES)}")
     out = Path(out)
@@ -338,7 +338,7 @@ def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
     w = _ShardWriter(folder, limit)
     gen = torch.Generator().manual_seed(seed)
     for item in generate(a, fmt, gen, weights_fn, ple_table):
-        if isinstance(item, DenseTensor) and _quantized_dense(item.name, dense):
+        if isinstance(item, DenseTensor) and quantized_dense(item.name, dense):
             base = PREFIX + item.name[: -len(".weight")]
             for name, x in nvfp4.to_checkpoint(fmt, base, *nvfp4.quantize(item.tensor.float())
                                                ).items():
@@ -363,7 +363,7 @@ def _add_expert(w: _ShardWriter, item: ExpertTensors, fmt: str) -> None:
                 w.add(name, x)
 
 
-def _check_dense(dense: str, fmt: str) -> None:
+def check_dense(dense: str, fmt: str) -> None:
     if dense not in DENSE:
         raise FtchatError(f"unknown dense format {dense!r}: use one of {', '.join(DENSE)}")
     if dense == "nvfp4" and fmt == "bf16":
@@ -371,7 +371,7 @@ def _check_dense(dense: str, fmt: str) -> None:
                           f"{nvfp4.MODELOPT} or {nvfp4.COMPRESSED_TENSORS}")
 
 
-def _quantized_dense(name: str, dense: str) -> bool:
+def quantized_dense(name: str, dense: str) -> bool:
     return dense == "nvfp4" and name.startswith("layers.") and name.endswith(NVFP4_DENSE)
 
 

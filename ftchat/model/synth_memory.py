@@ -23,8 +23,9 @@ from torch import Tensor
 
 from ftchat.engine import PLE_ON_DEVICE_BYTES, LoadedModel
 from ftchat.errors import FtchatError
-from ftchat.model import embedding, synth
+from ftchat.model import embedding, nvfp4, synth
 from ftchat.model.config import ModelArgs
+from ftchat.model.nvfp4 import Nvfp4Weight
 from ftchat.model.qwen4_exp import Weights
 from ftchat.model.rows import RowLayout
 from ftchat.model.synth import DenseTensor, ExpertTensors
@@ -35,14 +36,16 @@ SHARD = ".ngram_embedding.shard_"
 def synthetic_model(preset: str, layers: int | None = None, fmt: str = "bf16",
                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
-                    rng: str | torch.device | None = None) -> LoadedModel:
-    """The model `ftchat synth --preset P --layers N --format F --seed S` writes, as
-    engine.load_model(folder, device, dtype) would return it.
+                    rng: str | torch.device | None = None, dense: str = "bf16") -> LoadedModel:
+    """The model `ftchat synth --preset P --layers N --format F --seed S --dense D` writes, as
+    engine.load_model(folder, device, dtype) would return it (dense "nvfp4": the GDN qkv and z
+    projections quantized and kept in NVFP4, as load_model keeps them).
 
     rng: where the generator draws; None = `device`. "cpu" reproduces the checkpoint bit for
     bit (any target device); a CUDA rng is fast but draws other values (see the module doc).
     progress: called as ("layers", done, total) after each layer's experts.
     """
+    synth.check_dense(dense, fmt)
     args = model_args(preset, layers, fmt)
     device = torch.device(device)
     gen = torch.Generator(device=torch.device(rng) if rng is not None else device).manual_seed(seed)
@@ -50,7 +53,7 @@ def synthetic_model(preset: str, layers: int | None = None, fmt: str = "bf16",
     host = _host_rows(args, layout)
     stage_on = None if gen.device.type == "cpu" else gen.device
     rows = _RowWriter(host, layout, args.num_experts, stage_on)
-    dense: dict[str, Tensor] = {}
+    dense_w: dict[str, Tensor | Nvfp4Weight] = {}
     shards: dict[str, list[Tensor]] = {}  # table name -> its shards as stored
     head = None
     for item in synth.generate(args, fmt, gen):
@@ -62,15 +65,18 @@ def synthetic_model(preset: str, layers: int | None = None, fmt: str = "bf16",
                 item.tensor)
         elif item.name == synth.LM_HEAD:
             head = item.tensor.to(device, dtype)
+        elif synth.quantized_dense(item.name, dense):
+            dense_w[item.name] = _nvfp4(item, fmt).to(device)
         else:
-            dense[item.name] = _place(item, device, dtype)
+            dense_w[item.name] = _place(item, device, dtype)
     # load_model's order: dense in spec order, then the n-gram tables, then lm_head
     for name, parts in shards.items():
-        dense[name] = _table(parts, device, dtype)
-    dense[synth.LM_HEAD] = head
+        dense_w[name] = _table(parts, device, dtype)
+    dense_w[synth.LM_HEAD] = head
     if embedding.host_placement(device):  # as load_model
-        dense[embedding.EMBED] = embedding.to_host(dense[embedding.EMBED])
-    return LoadedModel(args, Weights(dense, args.num_hidden_layers), layout, host, device, dtype)
+        dense_w[embedding.EMBED] = embedding.to_host(dense_w[embedding.EMBED])
+    return LoadedModel(args, Weights(dense_w, args.num_hidden_layers), layout, host, device,
+                       dtype)
 
 
 def model_args(preset: str, layers: int | None, fmt: str) -> ModelArgs:
@@ -89,6 +95,14 @@ def _place(item: DenseTensor, device: torch.device, dtype: torch.dtype) -> Tenso
     """Checkpoint.dense's cast: int64 buffers kept, floats from stored bf16 to dtype."""
     t = item.tensor
     return t.to(device) if t.dtype == torch.int64 else t.to(device, dtype)
+
+
+def _nvfp4(item: DenseTensor, fmt: str) -> Nvfp4Weight:
+    """The weight as the checkpoint writer quantizes it and load_model reads it back (through
+    the dialect's stored global, so a compressed-tensors 1/g round trip is the same too)."""
+    base = item.name[: -len(".weight")]
+    stored = nvfp4.to_checkpoint(fmt, base, *nvfp4.quantize(item.tensor.float()))
+    return Nvfp4Weight.of(*nvfp4.from_checkpoint(fmt, stored.__getitem__, base))
 
 
 def _table(parts: list[Tensor], device: torch.device, dtype: torch.dtype) -> Tensor:

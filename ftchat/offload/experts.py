@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.model import nvfp4
+from ftchat.kernels import nvfp4_dequant
 from ftchat.model.rows import RowLayout
 
 
@@ -27,10 +27,10 @@ def expert_weights(rows: Tensor, layout: RowLayout, dtype: torch.dtype) -> tuple
     """gate_up [n, 2I, D] and down [n, D, I] in `dtype` from rows [n, R]."""
     if layout.kind == "nvfp4":
         parts = []
-        for p in ("gate_up", "down"):
-            w = nvfp4.dequantize(layout.view(rows, p), layout.view(rows, p + "_scale"),
-                                 layout.view(rows, p + "_global"))
-            parts.append(w.to(dtype))
+        for p in ("gate_up", "down"):  # one kernel on CUDA (nvfp4_dequant), the same bits
+            parts.append(nvfp4_dequant.dequantize(layout.view(rows, p),
+                                                  layout.view(rows, p + "_scale"),
+                                                  layout.view(rows, p + "_global"), dtype))
         return parts[0], parts[1]
     return layout.view(rows, "gate_up").to(dtype), layout.view(rows, "down").to(dtype)
 
@@ -40,19 +40,35 @@ def routed_experts(x: Tensor, rows: Tensor, layout: RowLayout, slots: Tensor, id
     """sum_k weights[t, k] * expert(ids[t, k])(x[t]) with expert weights read from rows[slots].
 
     x [T, D]; rows [S, R] uint8 (the slot bank); slots, ids, weights [T, K].
+    Per expert (ascending id) one GEMM pair over its tokens (in token order), each product
+    rounded to x's dtype; then per token the K products added to zero in ascending expert id,
+    in x's dtype: transformers' order and roundings. One host sync (the tokens per expert).
     """
-    out = torch.zeros_like(x)
-    flat_ids, flat_slots = ids.flatten(), slots.flatten()
-    # SYNC: the torch path groups tokens by expert on the host (CPU path / reference only)
-    experts = torch.unique(flat_ids)  # ascending: the reference's accumulation order
-    first = (flat_ids[None] == experts[:, None]).int().argmax(1)  # [U] a position of each
+    T, K = ids.shape
+    flat_ids, flat_slots = ids.flatten(), slots.flatten()  # [T*K]
+    order = torch.sort(flat_ids, stable=True).indices  # pairs grouped by expert, token order kept
+    # SYNC: how many pairs each expert has (slicing the grouped pairs needs it on the host)
+    counts = torch.bincount(flat_ids, minlength=1).tolist()
+    experts = [e for e, n in enumerate(counts) if n]  # ascending: the reference's order
+    starts = [0]
+    for e in experts:
+        starts.append(starts[-1] + counts[e])
+    first = order[torch.tensor(starts[:-1], device=order.device)]  # [U] a pair of each expert
+    xy = x[order // K]  # [T*K, D]: the pairs' inputs grouped by expert, then their products
+    w_sorted = weights.flatten()[order, None]  # [T*K, 1]
     for g0 in range(0, len(experts), EXPERT_GROUP):  # dequantized weights of a group at a time
-        group = slice(g0, g0 + EXPERT_GROUP)
-        gate_up, down = expert_weights(rows[flat_slots[first[group]].long()], layout, x.dtype)
-        for u, e in enumerate(experts[group].tolist()):
-            hit = (flat_ids == e).nonzero().squeeze(1)  # [n] positions in T*K
-            tok = hit // ids.shape[1]
-            g, up = F.linear(x[tok], gate_up[u]).chunk(2, dim=-1)  # [n, I] each
-            y = F.linear(F.silu(g) * up, down[u]) * weights.flatten()[hit, None]  # [n, D]
-            out[tok] = out[tok] + y.to(out.dtype)  # a token routes to an expert at most once
+        gate_up, down = expert_weights(rows[flat_slots[first[g0:g0 + EXPERT_GROUP]].long()],
+                                       layout, x.dtype)
+        for u in range(gate_up.shape[0]):
+            a, b = starts[g0 + u], starts[g0 + u + 1]
+            g, up = F.linear(xy[a:b], gate_up[u]).chunk(2, dim=-1)  # [n, I] each
+            xy[a:b] = F.linear(F.silu(g) * up, down[u]) * w_sorted[a:b]  # its inputs are read
+    # per token, its K products in ascending expert id (a token routes to an expert at most
+    # once): at[t, j] is where token t's j-th smallest expert's product sits in xy
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(T * K, device=order.device)
+    at = inv.view(T, K).gather(1, ids.argsort(dim=1, stable=True))  # [T, K]
+    out = torch.zeros_like(x)
+    for j in range(K):
+        out = out + xy[at[:, j]].to(out.dtype)
     return out

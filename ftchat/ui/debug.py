@@ -52,10 +52,12 @@ def _load(model: str | None, settings: Settings, env: Mapping[str, str], err: Te
     check_context(load_args(resolved.path), settings.context)
     plan = None
     if work is not None:
-        from ftchat.vram_plan import checkpoint_inputs
+        from ftchat.vram_plan import checkpoint_dense_nvfp4, checkpoint_inputs
 
         a, layout = checkpoint_inputs(resolved.path)
-        plan = _preflight(a, layout, settings, work(a, layout))
+        w = dataclasses.replace(work(a, layout),
+                                dense_nvfp4=checkpoint_dense_nvfp4(resolved.path))
+        plan = _preflight(a, layout, settings, w)
     if resolved.demo:
         print(demo_notice(resolved.path), file=err)
     tok = Tokenizer.from_folder(resolved.path)
@@ -142,6 +144,7 @@ class Synthetic:
     preset: str
     layers: int | None
     fmt: str
+    dense: str = "bf16"  # "nvfp4": the GDN qkv / z in NVFP4, as the real checkpoint stores them
 
     def load(self, settings: Settings, err: TextIO):
         from ftchat.model.synth import FORMATS
@@ -153,7 +156,8 @@ class Synthetic:
             raise FtchatError("--layers must be at least 2")
         with progress_bar(err, "building") as bar:
             return synthetic_model(self.preset, self.layers, self.fmt,
-                                   settings.torch_device(), settings.torch_dtype(), progress=bar)
+                                   settings.torch_device(), settings.torch_dtype(), progress=bar,
+                                   dense=self.dense)
 
 
 def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
@@ -176,8 +180,10 @@ def bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: s
                                  [s.settings for s in arm_settings.values()], max_len)
 
     if synthetic:
-        a, layout = vp.synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt)
-        plan = _preflight(a, layout, settings, work(a, layout))
+        a, layout = vp.synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt,
+                                        synthetic.dense)
+        w = dataclasses.replace(work(a, layout), dense_nvfp4=synthetic.dense == "nvfp4")
+        plan = _preflight(a, layout, settings, w)
         m = synthetic.load(settings, err)
     else:
         m, _, plan = _load(model, settings, env, err, work)

@@ -118,8 +118,10 @@ def info_lines(folder: Path, vram_gib: list[float] | None = None,
 def info_command(model: str | None, vram: list[float] | None, context: str | None,
                  batch: int | None, slots: int | None, prefill: int | None,
                  synthetic: str | None, layers: int | None, fmt: str, env: Mapping[str, str],
-                 out: TextIO) -> int:
-    """`ftchat info`: the report, and the VRAM plan when a plan option is given."""
+                 out: TextIO, kv_cache_dtype: str = "auto", kv_given: bool = False,
+                 dense: str = "bf16") -> int:
+    """`ftchat info`: the report, and the VRAM plan when a plan option is given (kv_given:
+    --kv-cache-dtype was; kv_cache_dtype: the resolved setting, auto or fp8)."""
     from ftchat import vram_plan as vp
     from ftchat.resolve import resolve_model
 
@@ -131,25 +133,28 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
             raise FtchatError(f"{flag} {n}: expected a positive integer")
     if synthetic is not None and model is not None:
         raise FtchatError("give MODEL or --synthetic, not both")
-    if synthetic is None and layers is not None:
-        raise FtchatError("--layers needs --synthetic")
-    planned = synthetic is not None or any(x is not None for x in (context, batch, slots,
-                                                                   prefill))
+    if synthetic is None and (layers is not None or dense != "bf16"):
+        raise FtchatError("--layers and --dense need --synthetic")
+    planned = kv_given or synthetic is not None or any(x is not None for x in (
+        context, batch, slots, prefill))
     L = context_tokens(context) if context else None  # a bad value before any output
     if synthetic is not None:
-        a, layout = vp.synthetic_inputs(synthetic, layers, fmt)
+        a, layout = vp.synthetic_inputs(synthetic, layers, fmt, dense)
         lines = synthetic_lines(a, layout, synthetic, fmt)
+        dense_nvfp4 = dense == "nvfp4"
     else:
         path = resolve_model(model, env).path
         lines = info_lines(path, vram, slot_lines=not planned)
         a, layout = vp.checkpoint_inputs(path) if planned else (None, None)
+        dense_nvfp4 = planned and vp.checkpoint_dense_nvfp4(path)
     if planned:
         L = L or vp.run_context(a, None)
         check_context(a, L)
     out.write("\n".join(lines) + "\n")
     if planned:
         w = vp.Workload(L, tuple(range(1, (batch or 1) + 1)), (slots,),
-                        min(prefill or vp.PREFILL_CHUNK, L))
+                        min(prefill or vp.PREFILL_CHUNK, L), kv_cache_dtype=kv_cache_dtype,
+                        dense_nvfp4=dense_nvfp4)
         print_plan(a, layout, vram or list(DEFAULT_VRAM_GIB), w, out)
     return 0
 
@@ -185,9 +190,10 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
     given = w.banks[0]
     p = vp.plan(a, layout, GPU_DTYPE, w, given or 0)
     rows = ", ".join(map(str, w.decoders))
+    kv = ", K/V cache fp8" if w.kv_cache_dtype == "fp8" else ""
     table = Table(title=f"VRAM plan: context {w.context:,}, decoder rows {rows}, prefill "
-                  f"{min(w.prefill_tokens, w.context):,} tokens per call, bfloat16, CUDA graphs "
-                  f"{'on' if w.graphs else 'off'}; GiB = 2^30 B", title_justify="left")
+                  f"{min(w.prefill_tokens, w.context):,} tokens per call, bfloat16{kv}, CUDA "
+                  f"graphs {'on' if w.graphs else 'off'}; GiB = 2^30 B", title_justify="left")
     for col, just in (("item", "left"), ("GiB", "right"), ("bytes", "right"), ("how", "left"),
                       ("note", "left")):
         table.add_column(col, justify=just)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from collections.abc import Mapping
 from typing import TextIO
@@ -67,7 +69,9 @@ def plan_run(resolved: ResolvedModel, settings: Settings) -> None:
             and settings.expert_vram_gib is None:
         return  # nothing to check: slots are sized after loading (free VRAM, or all on the CPU)
     a, layout = vp.checkpoint_inputs(resolved.path)
-    vp.preflight(a, layout, settings, vp.run_workload(a, layout, settings))
+    w = vp.run_workload(a, layout, settings)
+    w = dataclasses.replace(w, dense_nvfp4=vp.checkpoint_dense_nvfp4(resolved.path))
+    vp.preflight(a, layout, settings, w)
 
 
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,

@@ -40,7 +40,7 @@ import torch
 
 from ftchat.kernels import HAS_TRITON
 from ftchat.kernels import gdn_decode as gk, sync
-from ftchat.model import gdn
+from ftchat.model import gdn, nvfp4
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
 from ftchat.model.synth import _init, preset_config
@@ -264,6 +264,57 @@ def test_fused_mixer_matches_reference(geo, B, dtype):
         worst["S"] = max(worst["S"], _excess(S_k, S_r, "fp32" if fp32 else "S16"))
     print(" ".join(f"{k}={v:.3g}" for k, v in worst.items()), end=" ")
     assert max(worst.values()) <= 1, worst
+
+
+def _kept_nvfp4(w: dict) -> dict:
+    # qkv and z quantized and kept packed, as load_model keeps them from an NVFP4 checkpoint
+    for name in gdn.PROJECTIONS[:2]:
+        w[name] = nvfp4.Nvfp4Weight.of(*nvfp4.quantize(w[name].float().cpu())).to(DEVICE)
+    return w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("B", [1, 2])
+@pytest.mark.parametrize("geo", ["real", "small"])
+def test_fused_mixer_with_nvfp4_projections(geo, B, dtype):
+    # the decode GEMV reads qkv | z packed (exact fp32 weights) with b | a as its bf16 tail; the
+    # torch path dequantizes to the model dtype (load-time bits): fp32 as above; bf16 within the
+    # full-mixer tolerance (2^-5 max|ref|) for the output, the conv state (it holds the
+    # projection outputs, which differ by the weights' bf16 rounding, ~2^-9 of each weight) and
+    # S (those differences enter S through k and v every step: measured 1.34 x 2^-7 max|S| on
+    # the H200 at small / B 2, over the bf16-weight runs' S16 bound)
+    if geo == "real" and DEVICE == "cpu" and B == 2:
+        pytest.skip("the interpreter is slow at this size")
+    a = _args(geo)
+    w = _kept_nvfp4(_layer(a, dtype, seed=41))
+    assert gdn.fuse_gdn_projections(w) and gdn.FUSED_NVFP4 in w and gdn.FUSED not in w
+    conv_r, S_r = _state(a, B, dtype, seed=42)
+    conv_k, S_k = conv_r.clone(), S_r.clone()
+    gen = torch.Generator().manual_seed(43)
+    worst = {"out": 0.0, "conv": 0.0, "S": 0.0}
+    fp32 = dtype == torch.float32
+    for _ in range(_steps(geo)):
+        x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
+        ref = gdn.gdn_mixer_ref(x, w, conv_r, S_r, a)
+        got = gdn.gdn_decode_fused(x, w, conv_k, S_k, a)
+        assert got.shape == ref.shape == x.shape and got.dtype == dtype
+        worst["out"] = max(worst["out"], _excess(got, ref, "fp32" if fp32 else "loose"))
+        worst["conv"] = max(worst["conv"], _excess(conv_k, conv_r, "fp32" if fp32 else "loose"))
+        worst["S"] = max(worst["S"], _excess(S_k, S_r, "fp32" if fp32 else "loose"))
+    print(" ".join(f"{k}={v:.3g}" for k, v in worst.items()), end=" ")
+    assert max(worst.values()) <= 1, worst
+    # negative control: one block scale of z doubled moves the fused output out of tolerance
+    bad = dict(w)
+    q4 = w[gdn.FUSED_NVFP4]
+    scale = q4.scale.clone()
+    C = 2 * a.linear_num_key_heads * a.linear_key_head_dim + a.linear_num_value_heads * \
+        a.linear_value_head_dim
+    scale[C:] = (scale[C:].float() * 4).clamp(max=448).to(scale.dtype)  # z's scales, x4
+    bad[gdn.FUSED_NVFP4] = nvfp4.Nvfp4Weight(q4.packed, scale, q4.g)
+    x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
+    ref = gdn.gdn_mixer_ref(x, w, conv_r.clone(), S_r.clone(), a)
+    got = gdn.gdn_decode_fused(x, bad, conv_k.clone(), S_k.clone(), a)
+    assert _excess(got, ref, "fp32" if fp32 else "loose") > 1
 
 
 def test_dispatcher_picks_the_path():

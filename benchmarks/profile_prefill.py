@@ -1,0 +1,101 @@
+"""Where a prefill chunk's time goes on the device (issue 17): a flash-next-geometry model built
+in memory (random weights, NVFP4 experts in pinned host memory), one prompt prefilled with
+offloaded experts (the staging path, prefetch off) and with every expert resident, then one
+chunk under torch.profiler: wall time per chunk and layer, the copy bytes, the top kernels.
+
+    python benchmarks/profile_prefill.py --layers 4 --tokens 8192 --chunk 8192 --out X.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ftchat.engine import Decoder, build_experts, resident_backend
+from ftchat.model.synth_memory import synthetic_model
+from ftchat.settings import Settings
+
+
+def _copy_gb(ex) -> float:
+    return float(ex.stats().get("prefill_copy_gb") or 0.0)
+
+
+def _timed_prefill(m, ex, ids: torch.Tensor, chunk: int) -> tuple[float, float]:
+    """(seconds, GB copied host -> device) of one prefill of ids after a warm-up."""
+    dec = Decoder(m, ex, 1, len(ids) + 2, prefill_chunk=chunk)
+    dec.prefill(0, ids[:256], 0)  # warm-up: compiles, first allocations
+    dec.reset()
+    torch.cuda.synchronize()
+    gb = _copy_gb(ex)
+    t = time.perf_counter()
+    dec.prefill(0, ids, 0)
+    torch.cuda.synchronize()
+    return time.perf_counter() - t, _copy_gb(ex) - gb
+
+
+def _profiled(m, ex, ids: torch.Tensor, chunk: int, top: int) -> dict:
+    dec = Decoder(m, ex, 1, len(ids) + 2, prefill_chunk=chunk)
+    dec.prefill(0, ids[:256], 0)
+    dec.reset()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        dec.prefill(0, ids[:chunk], 0)
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        dev = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if dev > 0 and e.count:
+            rows.append((e.key[:90], e.count, round(dev, 1)))
+    rows.sort(key=lambda r: -r[2])
+    kernels = [r for r in rows if not r[0].startswith(("aten::", "cuda", "Memcpy", "Memset"))]
+    return {"top_device_us": rows[:top], "top_kernels_us": kernels[:top]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--chunk", default="8192", help="comma-separated --prefill-chunk values")
+    ap.add_argument("--slots", type=int, default=1650)
+    ap.add_argument("--dense", default="nvfp4")
+    ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    t = time.perf_counter()
+    m = synthetic_model("flash-next", args.layers, "nvfp4-modelopt", "cuda", torch.bfloat16,
+                        dense=args.dense)
+    res = {"layers": args.layers, "tokens": args.tokens, "build_s": round(time.perf_counter() - t, 1),
+           "row_bytes": m.layout.nbytes, "runs": {}}
+    ids = torch.randint(0, 1000, (args.tokens,))
+    L = args.layers
+    for chunk in (int(c) for c in args.chunk.split(",")):
+        for arm in ("offload", "resident"):
+            ex = (build_experts(m, Settings(slots=args.slots, prefetch="off")) if arm == "offload"
+                  else resident_backend(m))
+            s, gb = _timed_prefill(m, ex, ids, chunk)
+            n_chunks = -(-args.tokens // chunk)
+            row = {"tok_s": round(args.tokens / s, 1),
+                   "ms_per_chunk_layer": round(1e3 * s / n_chunks / L, 2),
+                   "copy_gb": round(gb, 2),  # host -> device bytes of the timed prefill
+                   # the link alone at 52 GB/s (the H200's measured host-to-device rate)
+                   "link_ms_per_chunk_layer": round(1e3 * gb / 52 / n_chunks / L, 2)}
+            row.update(_profiled(m, ex, ids, chunk, args.top))
+            res["runs"][f"{arm}_chunk{chunk}"] = row
+            print(arm, chunk, {k: v for k, v in row.items() if not k.startswith("top")},
+                  flush=True)
+            for name, count, us in row["top_kernels_us"][:12]:
+                print(f"    {us / 1e3:9.2f} ms {count:6d}x  {name}", flush=True)
+            ex.close()
+            del ex
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
