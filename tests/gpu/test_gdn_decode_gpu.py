@@ -240,6 +240,25 @@ def test_counters_left_zero():
 # ===== the whole mixer: fused GEMV + kernel + out_proj vs gdn_mixer_ref =====
 
 
+def _mixer_worst(a, w, geo, B, dtype, seed, kinds):
+    """Worst _excess of (out, conv, S) over the geometry's steps, gdn_decode_fused against
+    gdn_mixer_ref from the same random state; kinds: the _excess kind of each. Returns the worst
+    fractions and the states (reference, fused) after the last step."""
+    conv_r, S_r = _state(a, B, dtype, seed=seed)
+    conv_k, S_k = conv_r.clone(), S_r.clone()
+    gen = torch.Generator().manual_seed(seed + 1)
+    worst = {"out": 0.0, "conv": 0.0, "S": 0.0}
+    for _ in range(_steps(geo)):
+        x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
+        ref = gdn.gdn_mixer_ref(x, w, conv_r, S_r, a)
+        got = gdn.gdn_decode_fused(x, w, conv_k, S_k, a)
+        assert got.shape == ref.shape == x.shape and got.dtype == dtype
+        for name, (g, r) in {"out": (got, ref), "conv": (conv_k, conv_r), "S": (S_k, S_r)}.items():
+            worst[name] = max(worst[name], _excess(g, r, kinds[name]))
+    print(" ".join(f"{k}={v:.3g}" for k, v in worst.items()), end=" ")
+    return worst, (conv_r, S_r), (conv_k, S_k)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("B", [1, 2])
 @pytest.mark.parametrize("geo", ["real", "small"])
@@ -249,20 +268,10 @@ def test_fused_mixer_matches_reference(geo, B, dtype):
     a = _args(geo)
     w = _layer(a, dtype, seed=11)
     assert gdn.fuse_gdn_projections(w)
-    conv_r, S_r = _state(a, B, dtype, seed=12)
-    conv_k, S_k = conv_r.clone(), S_r.clone()
-    gen = torch.Generator().manual_seed(13)
-    worst = {"out": 0.0, "conv": 0.0, "S": 0.0}
     fp32 = dtype == torch.float32
-    for _ in range(_steps(geo)):
-        x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
-        ref = gdn.gdn_mixer_ref(x, w, conv_r, S_r, a)
-        got = gdn.gdn_decode_fused(x, w, conv_k, S_k, a)
-        assert got.shape == ref.shape == x.shape and got.dtype == dtype
-        worst["out"] = max(worst["out"], _excess(got, ref, "fp32" if fp32 else "loose"))
-        worst["conv"] = max(worst["conv"], _excess(conv_k, conv_r, _kind(dtype)))
-        worst["S"] = max(worst["S"], _excess(S_k, S_r, "fp32" if fp32 else "S16"))
-    print(" ".join(f"{k}={v:.3g}" for k, v in worst.items()), end=" ")
+    kinds = {"out": "fp32" if fp32 else "loose", "conv": _kind(dtype),
+             "S": "fp32" if fp32 else "S16"}
+    worst, _, _ = _mixer_worst(a, w, geo, B, dtype, 12, kinds)
     assert max(worst.values()) <= 1, worst
 
 
@@ -288,22 +297,11 @@ def test_fused_mixer_with_nvfp4_projections(geo, B, dtype):
     a = _args(geo)
     w = _kept_nvfp4(_layer(a, dtype, seed=41))
     assert gdn.fuse_gdn_projections(w) and gdn.FUSED_NVFP4 in w and gdn.FUSED not in w
-    conv_r, S_r = _state(a, B, dtype, seed=42)
-    conv_k, S_k = conv_r.clone(), S_r.clone()
-    gen = torch.Generator().manual_seed(43)
-    worst = {"out": 0.0, "conv": 0.0, "S": 0.0}
-    fp32 = dtype == torch.float32
-    for _ in range(_steps(geo)):
-        x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
-        ref = gdn.gdn_mixer_ref(x, w, conv_r, S_r, a)
-        got = gdn.gdn_decode_fused(x, w, conv_k, S_k, a)
-        assert got.shape == ref.shape == x.shape and got.dtype == dtype
-        worst["out"] = max(worst["out"], _excess(got, ref, "fp32" if fp32 else "loose"))
-        worst["conv"] = max(worst["conv"], _excess(conv_k, conv_r, "fp32" if fp32 else "loose"))
-        worst["S"] = max(worst["S"], _excess(S_k, S_r, "fp32" if fp32 else "loose"))
-    print(" ".join(f"{k}={v:.3g}" for k, v in worst.items()), end=" ")
+    kind = "fp32" if dtype == torch.float32 else "loose"
+    worst, (conv_r, S_r), (conv_k, S_k) = _mixer_worst(
+        a, w, geo, B, dtype, 42, {"out": kind, "conv": kind, "S": kind})
     assert max(worst.values()) <= 1, worst
-    # negative control: one block scale of z doubled moves the fused output out of tolerance
+    # negative control: every z block scale x4 moves the fused output out of tolerance
     bad = dict(w)
     q4 = w[gdn.FUSED_NVFP4]
     scale = q4.scale.clone()
@@ -311,10 +309,11 @@ def test_fused_mixer_with_nvfp4_projections(geo, B, dtype):
         a.linear_value_head_dim
     scale[C:] = (scale[C:].float() * 4).clamp(max=448).to(scale.dtype)  # z's scales, x4
     bad[gdn.FUSED_NVFP4] = nvfp4.Nvfp4Weight(q4.packed, scale, q4.g)
-    x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
+    x = torch.randn(B, 1, a.hidden_size, generator=torch.Generator().manual_seed(44))
+    x = x.to(DEVICE, dtype)
     ref = gdn.gdn_mixer_ref(x, w, conv_r.clone(), S_r.clone(), a)
     got = gdn.gdn_decode_fused(x, bad, conv_k.clone(), S_k.clone(), a)
-    assert _excess(got, ref, "fp32" if fp32 else "loose") > 1
+    assert _excess(got, ref, kind) > 1
 
 
 def test_dispatcher_picks_the_path():
