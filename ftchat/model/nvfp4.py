@@ -286,8 +286,8 @@ class Nvfp4Weight:
     global fp32 [N] (per row, so that projections with different globals concatenate).
 
     The GDN qkv and z projections of an NVFP4 checkpoint stay in this form (ARCH 5.3): a decode
-    GEMV reads 4.5 bits a weight instead of 16 (ftchat/kernels/nvfp4_gemv.py). `dequantize(dtype)`
-    is what load-time dequantization gave: the torch path's weight, bit for bit."""
+    GEMV reads 4.5 bits a weight instead of 16 (ftchat/kernels/nvfp4_gemv.py); the torch path
+    dequantizes it per call (gdn.dense) to the bits load-time dequantization gave."""
 
     packed: torch.Tensor
     scale: torch.Tensor
@@ -311,10 +311,6 @@ class Nvfp4Weight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scale, self.g))
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        """[N, K] in dtype (fp32 math, one rounding): the weight load-time dequant gives."""
-        return dequantize(self.packed, self.scale, self.g).to(dtype)
-
     def to(self, device: str | torch.device) -> "Nvfp4Weight":
         return Nvfp4Weight(*(t.to(device) for t in (self.packed, self.scale, self.g)))
 
@@ -324,8 +320,8 @@ class Nvfp4Weight:
 
     @staticmethod
     def cat(parts: "list[Nvfp4Weight]") -> "Nvfp4Weight":
-        return Nvfp4Weight(*(torch.cat([getattr(p, f) for p in parts])
-                             for f in ("packed", "scale", "g")))
+        return Nvfp4Weight(torch.cat([p.packed for p in parts]),
+                           torch.cat([p.scale for p in parts]), torch.cat([p.g for p in parts]))
 
 
 def nvfp4_bytes(n: int, k: int) -> int:

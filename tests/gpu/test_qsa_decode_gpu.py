@@ -467,9 +467,11 @@ def _near_tie(ref_sel: _Record, got: list[set[int]], want: list[set[int]], a, dt
     return True
 
 
-def _run_decode(geo, dtype, B, steps, seed, monkeypatch):
+def _run_decode(geo, dtype, B, steps, seed, monkeypatch, prepare=None, cache_excess=None):
     """Worst _excess of the step output (steps without a selection flip) and of the caches after
-    `steps` decode steps of both paths from the same context; and the number of flips."""
+    `steps` decode steps of both paths from the same context; and the number of flips.
+    prepare(cache) turns the context's cache into the one both paths start from (e.g. FP8),
+    cache_excess(got, ref, dtype) -> {name: excess} compares the caches after the steps."""
     a = _args(geo)
     w = _layer(a, dtype, seed)
     w_fused = dict(w)
@@ -477,6 +479,7 @@ def _run_decode(geo, dtype, B, steps, seed, monkeypatch):
     lengths = _lengths(geo, B)
     L = max(lengths) + steps + 4
     ref_c = _cache(a, lengths, L, w, dtype, seed + 1)
+    ref_c = prepare(ref_c) if prepare else ref_c
     got_c = _clone(ref_c)
     ref_sel, got_sel = _Record(qsa.select_blocks), _Record(qsa.select_blocks_fused)
     monkeypatch.setattr(qsa, "select_blocks", ref_sel)
@@ -497,7 +500,8 @@ def _run_decode(geo, dtype, B, steps, seed, monkeypatch):
             flips += 1
         else:
             worst = max(worst, _excess(got, ref, _kind(dtype, "rows"), ulps=STEP_ULPS))
-    caches = {n: _excess(got_c[n], ref_c[n], _kind(dtype)) for n in ref_c}
+    caches = (cache_excess(got_c, ref_c, dtype) if cache_excess else
+              {n: _excess(got_c[n], ref_c[n], _kind(dtype)) for n in ref_c})
     return {"out": worst, **caches}, flips
 
 

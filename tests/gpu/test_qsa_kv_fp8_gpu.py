@@ -35,10 +35,10 @@ from torch import Tensor
 from ftchat.kernels import qsa_decode as qd
 from ftchat.model import kv_cache as kc
 from ftchat.model import qsa
-from tests.gpu.test_qsa_decode_gpu import (DEVICE, DTYPES, NORMS, STEP_ULPS, _args, _attn_inputs,
-                                           _cache, _chosen_fused, _clone, _excess, _index_inputs,
-                                           _kind, _layer, _lengths, _near_tie, _Record, _ref_chosen,
-                                           _split, _triton)  # noqa: F401 (_triton: autouse)
+from tests.gpu.test_qsa_decode_gpu import (DEVICE, DTYPES, NORMS, _args, _attn_inputs, _cache,
+                                           _clone, _excess, _index_inputs, _kind, _layer,
+                                           _lengths, _split, _triton)  # noqa: F401 (autouse)
+from tests.gpu.test_qsa_decode_gpu import _run_decode as _run_decode_bf16
 
 pytestmark = pytest.mark.gpu
 MAX_FLIPS = 0.01  # codes that may differ between the paths (fraction)
@@ -202,36 +202,10 @@ def test_attention_negative_control_scale_ignored(dtype):
 
 
 def _run_decode(geo, dtype, B, steps, seed, monkeypatch):
-    """As test_qsa_decode_gpu._run_decode, both paths on FP8 caches: worst excess of the step
+    """test_qsa_decode_gpu's decode run, both paths on FP8 caches: worst excess of the step
     output (steps without a selection flip) and of the caches after the steps; the flips."""
-    a = _args(geo)
-    w = _layer(a, dtype, seed)
-    w_fused = dict(w)
-    assert qsa.fuse_qsa_projections(w_fused)
-    lengths = _lengths(geo, B)
-    L = max(lengths) + steps + 4
-    ref_c = _fp8(_cache(a, lengths, L, w, dtype, seed + 1))
-    got_c = _clone(ref_c)
-    ref_sel, got_sel = _Record(qsa.select_blocks), _Record(qsa.select_blocks_fused)
-    monkeypatch.setattr(qsa, "select_blocks", ref_sel)
-    monkeypatch.setattr(qsa, "select_blocks_fused", got_sel)
-    gen = torch.Generator().manual_seed(seed + 2)
-    worst, flips = 0.0, 0
-    for t in range(steps):
-        pos = torch.tensor(lengths, device=DEVICE)[:, None] + t
-        kv_len = L if t % 2 else int(pos.max()) + 1  # graph span and eager span in turn
-        x = torch.randn(B, 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
-        ref = qsa.attention_mixer_ref(x, w, ref_c, pos, kv_len, a)
-        got = qsa.attention_decode_fused(x, w_fused, got_c, pos, kv_len, a)
-        assert got.shape == ref.shape == x.shape and got.dtype == dtype
-        want_b = _ref_chosen(*ref_sel.args[:4], a)
-        got_b = _chosen_fused(*got_sel.out)
-        if got_b != want_b:
-            assert _near_tie(ref_sel, got_b, want_b, a, dtype), (t, got_b, want_b)
-            flips += 1
-        else:
-            worst = max(worst, _excess(got, ref, _kind(dtype, "rows"), ulps=STEP_ULPS))
-    return {"out": worst, **_cache_excess(got_c, ref_c, dtype)}, flips
+    return _run_decode_bf16(geo, dtype, B, steps, seed, monkeypatch, prepare=_fp8,
+                            cache_excess=_cache_excess)
 
 
 @DTYPES
