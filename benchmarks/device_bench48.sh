@@ -2,13 +2,13 @@
 # The 48-layer decode figures (docs/performance.md): a flash-next-geometry model built in memory
 # (random weights, NVFP4 experts: ~68 GB of rows in host memory), arms side by side per context.
 #   run(command="bash benchmarks/device_bench48.sh resident|offload", timeout_s=600)
-# env: CTX (resident contexts), DENSE=nvfp4 (the GDN qkv / z kept in NVFP4, as the real
+# env: CTX (resident contexts), ARMS (the arms; default per mode), DENSE=nvfp4 (the GDN qkv / z kept in NVFP4, as the real
 # checkpoint stores them; default bf16)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 case ${1:-resident} in
-  resident) arms="resident;resident:fused=0"; ctx=${CTX:-4k,32k,128k,255k}; extra=() ;;
-  offload) arms="resident;off;on;on:budget=4"; ctx=32k,255k; extra=(--slots 1650) ;;
+  resident) arms=${ARMS:-"resident;resident:fused=0"}; ctx=${CTX:-4k,32k,128k,255k}; extra=() ;;
+  offload) arms=${ARMS:-"resident;off;on;on:budget=4"}; ctx=${CTX:-32k,255k}; extra=(--slots 1650) ;;
 esac
 python3 -m ftchat.cli bench --help > "$O/bench_help.txt" 2>&1
 # the bench command's own function, called directly (the same code `ftchat bench` runs)

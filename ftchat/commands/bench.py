@@ -3,7 +3,8 @@
 Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:graph=0`,
 `resident:fused=0`) gets its own expert backend and decode state over the same loaded weights;
 every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
-kernel's before/after); `off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
+kernel's before/after); `pdl=0` launches the fused kernels without programmatic dependent launch;
+`off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
 rounds one more step of each arm is profiled: kernels per step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
 context length over a zero KV cache: the figures are the step cost at that context, not model
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +24,7 @@ import torch
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
-from ftchat.kernels import fused_kernels
+from ftchat.kernels import fused_kernels, pdl_kernels
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.profile import profile_call
 from ftchat.settings import Settings, override
@@ -35,6 +38,14 @@ START_TOKEN = 7  # the prefilled token the arms decode from
 class ArmSpec:
     settings: Settings | None  # None: every expert resident
     fused: bool = True  # the fused decode kernels (False: the torch path)
+    pdl: bool = True  # ... launched with programmatic dependent launch where the GPU has it
+
+
+@contextmanager
+def arm_kernels(fused: bool, pdl: bool) -> Iterator[None]:
+    """An arm's kernel switches around its capture, its rounds and its profiled step."""
+    with fused_kernels(fused), pdl_kernels(pdl):
+        yield
 
 
 def parse_arm(spec: str, base: Settings) -> ArmSpec:
@@ -49,17 +60,18 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         if not eq or not v.strip():
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
-    fused = flags.pop("fused", "1")
-    if fused not in ("0", "1"):
-        raise FtchatError(f"bench arm {spec!r}: fused={fused!r}: expected 1 or 0")
+    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl")}
+    for k, v in switches.items():
+        if v not in ("0", "1"):
+            raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
     if head == "resident" and flags:
-        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=0|1")
+        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=0|1 and pdl=0|1")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
     except FtchatError as e:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
-    return ArmSpec(s, fused == "1")
+    return ArmSpec(s, switches["fused"] == "1", switches["pdl"] == "1")
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
@@ -76,7 +88,7 @@ def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
 class Arm:
     name: str
     device: torch.device
-    fused: bool
+    spec: ArmSpec
     experts: ExpertBackend
     steps: object  # the arm's engine.decode iterator
     extra_vram: int  # bytes its decoder and own backend allocated (not the shared resident rows)
@@ -93,13 +105,13 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
     s = spec.settings
     before, t = _allocated(m), time.perf_counter()
     ex = resident if s is None else build_experts(m, s)
-    with fused_kernels(spec.fused):  # a captured graph keeps the choice
+    with arm_kernels(spec.fused, spec.pdl):  # a captured graph keeps the choice
         cfg = base if s is None else s
         dec = Decoder(m, ex, 1, max_len, graph=cfg.use_graph(), kv_dtype=cfg.kv_torch_dtype())
         steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
         next(steps)  # the prefill of the start token
     _sync(m.device)
-    return Arm(name, m.device, spec.fused, ex, steps, _allocated(m) - before,
+    return Arm(name, m.device, spec, ex, steps, _allocated(m) - before,
                time.perf_counter() - t)
 
 
@@ -108,7 +120,7 @@ def run_round(arm: Arm, steps: int) -> None:
     before = arm.experts.stats()
     _sync(arm.device)
     t = time.perf_counter()
-    with fused_kernels(arm.fused):
+    with arm_kernels(arm.spec.fused, arm.spec.pdl):
         for _ in range(steps):
             next(arm.steps)
     _sync(arm.device)
@@ -140,7 +152,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     L = m.args.num_hidden_layers
     out = {}
     for a in built:
-        with fused_kernels(a.fused):
+        with arm_kernels(a.spec.fused, a.spec.pdl):
             prof = profile_call(lambda: next(a.steps), m.device)  # None off CUDA
         c, total = a.counts, a.experts.stats()
         out[a.name] = {

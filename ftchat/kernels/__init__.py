@@ -2,12 +2,17 @@
 
 CPU-only installs have no Triton: `HAS_TRITON` is False, `jit` returns the function unchanged
 (so kernel modules still import), and every dispatcher falls back to its torch reference.
+The decode kernels launch with programmatic dependent launch where the GPU has it (`pdl_launch`).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+import torch
 
 try:
     import triton
@@ -17,6 +22,14 @@ try:
 except ImportError:  # CPU-only installs and CI
     triton = tl = None
     HAS_TRITON = False
+try:  # grid dependency control (programmatic dependent launch), Triton >= 3.3
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    HAS_GDC = True
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
+    HAS_GDC = False
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def jit(fn=None, **kwargs):
@@ -45,3 +58,36 @@ def fused_kernels(on: bool) -> Iterator[None]:
         yield
     finally:
         _fused_on = prev
+
+
+_pdl_on = os.environ.get("FTCHAT_PDL", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_device(device) -> bool:
+    # programmatic dependent launch: Hopper (sm_90) and later, a real GPU, Triton with GDC
+    return (HAS_GDC and not INTERPRET and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def pdl_launch(t) -> dict:
+    """Launch options of a decode kernel on tensor t's device: with programmatic dependent launch
+    (PDL) the kernel may start while the kernel before it in the stream drains; it issues what
+    depends on no earlier kernel (its weight loads), then `sync.pdl_wait` before it reads or
+    writes anything else. {"PDL": True, "launch_pdl": True} where the device has it and it is
+    on (FTCHAT_PDL=0 or `pdl_kernels(False)` switch it off), else {"PDL": False}."""
+    if _pdl_on and t.is_cuda and _pdl_device(t.device):
+        return {"PDL": True, "launch_pdl": True}
+    return {"PDL": False}
+
+
+@contextmanager
+def pdl_kernels(on: bool) -> Iterator[None]:
+    """Within the block the decode kernels launch with (on) or without (off) PDL; a CUDA graph
+    captured inside keeps the choice (bench's before/after arms)."""
+    global _pdl_on
+    prev, _pdl_on = _pdl_on, on
+    try:
+        yield
+    finally:
+        _pdl_on = prev

@@ -32,8 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 # ===== device helpers =====
 
@@ -92,7 +92,9 @@ def _gdn_decode_kernel(proj_ptr, conv_ptr, wc_ptr, s_ptr, alog_ptr, dtb_ptr, nw_
                        cnt_ptr, CONV_SB, S_SB, EPS,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        KC: tl.constexpr, KCP: tl.constexpr, BV: tl.constexpr,
-                       SIGMOID_GATE: tl.constexpr):
+                       SIGMOID_GATE: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # proj [B, N] model dtype; conv [B, C, KC-1] (batch stride CONV_SB) and S [B, HV, DK, DV] fp32
     # (batch stride S_SB) in place; wc [C, KC]; A_log, dt_bias [HV]; norm w [DV]; out [B, HV*DV];
     # cnt [B, HK + HV] int32 zeros (left zero)
@@ -211,5 +213,5 @@ def gdn_decode_step(proj: Tensor, conv_state: Tensor, S: Tensor, conv_w: Tensor,
         proj.contiguous(), conv_state, conv_w.reshape(C, Kc).contiguous(), S, A_log, dt_bias,
         norm_w, out, cnt, conv_state.stride(0), S.stride(0), float(eps),
         HK=Hk, HV=Hv, DK=dk, DV=dv, KC=Kc, KCP=triton.next_power_of_2(Kc), BV=bv,
-        SIGMOID_GATE=gate == "sigmoid", num_warps=num_warps)
+        SIGMOID_GATE=gate == "sigmoid", num_warps=num_warps, **pdl_launch(proj))
     return out

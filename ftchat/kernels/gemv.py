@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 GEMV_MAX_ROWS = 8  # decode batches; every row re-reads the tile from registers, compute grows
 DISPATCH_MAX_ROWS = 2  # `linear` takes the kernel up to here: the rows it was measured faster at
@@ -107,9 +107,23 @@ def launch_plan(K: int, tiles: GemvTiles) -> tuple[int, int]:
 
 
 @_jit
+def _chunk_dot(w, x_ptr, k, k_end, rows, bb, acc, K: tl.constexpr, RB: tl.constexpr):
+    # acc[n, b] += sum over the chunk's columns k of w[n, k] x[b, k] (fp32); w [BLOCK_N, BLOCK_K]
+    k_ok = k < k_end
+    w = w.to(tl.float32)
+    for bi in tl.static_range(RB):
+        if bi < rows:
+            xb = tl.load(x_ptr + bi * K + k, mask=k_ok, other=0.0).to(tl.float32)
+            d = tl.sum(w * xb[None, :], axis=1)  # [BLOCK_N]
+            acc = tl.where(bb == bi, acc + d[:, None], acc)
+    return acc
+
+
+@_jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr,
                  K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, RB: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
+                 PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT); x [rows, K], w [N, K] -> out [rows, N] (x's dtype).
     Program (p, s): acc[n, b] = sum over k in [s*KS, min(s*KS + KS, K)) of w[n, k] x[b, k] in
     fp32, chunk by chunk (one [BLOCK_N, BLOCK_K] weight load each, reused for every row; acc is
@@ -117,25 +131,27 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
     out = round(acc). Else acc -> part[s] (fp32 [SPLIT, rows, N]); the last program of block p
     to arrive (counter cnt[p], left 0) stores round(part[0] + part[1] + ... + part[SPLIT-1]).
     """
+    pdl_release(PDL)
     p, s = tl.program_id(0), tl.program_id(1)
     n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
     nn = n[:, None]  # [BLOCK_N, 1]
     bb = tl.arange(0, RB)[None, :]  # [1, RB]
-    acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
     k0 = s * KS
     k_end = tl.minimum(k0 + KS, K)
-    for kb in range(k0, k_end, BLOCK_K):
-        k = kb + kk  # [BLOCK_K]
-        k_ok = k < k_end
-        w = tl.load(w_ptr + nn * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_K], all of it in flight at once
-        for bi in tl.static_range(RB):
-            if bi < rows:
-                xb = tl.load(x_ptr + bi * K + k, mask=k_ok, other=0.0).to(tl.float32)
-                d = tl.sum(w * xb[None, :], axis=1)  # [BLOCK_N]
-                acc = tl.where(bb == bi, acc + d[:, None], acc)
+    # the first chunk's weights load before the PDL wait: they overlap the previous kernel
+    k = k0 + kk  # [BLOCK_K]
+    w = tl.load(w_ptr + nn * K + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_K], all of it in flight at once
+    pdl_wait(PDL)
+    acc = _chunk_dot(w, x_ptr, k, k_end, rows, bb, tl.zeros([BLOCK_N, RB], dtype=tl.float32),
+                     K, RB)
+    for kb in range(k0 + BLOCK_K, k_end, BLOCK_K):
+        k = kb + kk
+        w = tl.load(w_ptr + nn * K + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
+                    other=0.0)
+        acc = _chunk_dot(w, x_ptr, k, k_end, rows, bb, acc, K, RB)
     ok = (bb < rows) & (nn < N)
     if SPLIT == 1:
         tl.store(out_ptr + bb * N + nn, _rnd(acc, BF16).to(out_ptr.dtype.element_ty), mask=ok)
@@ -186,7 +202,7 @@ def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tenso
     _gemv_kernel[(nb, split)](
         x2, w, out, part, cnt, rows, N=N, K=K, KS=triton.cdiv(nk, split) * bk, SPLIT=split,
         RB=_rows_block(rows), BLOCK_N=t.block_n, BLOCK_K=bk, BF16=x.dtype == torch.bfloat16,
-        num_warps=t.warps)
+        num_warps=t.warps, **pdl_launch(x))
     return out.view(*lead, N)
 
 

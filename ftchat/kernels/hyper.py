@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 HC_MAX_ROWS = 8  # decode batches: the kernels loop over rows, reusing each weight tile
 
@@ -116,7 +116,8 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
                        sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D: tl.constexpr, HC: tl.constexpr,
                        L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
                        BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr):
+                       BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
+                       PDL: tl.constexpr):
     """HC read, part 1 (split). Grid (cdiv(NOUT, BLOCK_N), HC * CPS): program (p, k) takes chunk
     k of C (BLOCK_K columns of stream k // CPS), loads its [BLOCK_N, BLOCK_K] tile of
     [W_down; W_inj] once, and for every row stores sum(R'^2) over the chunk (ss [NB, NS, RB]) and
@@ -126,6 +127,7 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
     rstd * part, then torch's roundings: m = silu(d / hc) -> m [RB, L] (fp32), s = 2 sigmoid(d /
     hc) -> s_out; block 0 stores rstd [RB, HC].
     """
+    pdl_release(PDL)
     p, k = tl.program_id(0), tl.program_id(1)
     NS: tl.constexpr = HC * CPS
     g = k // CPS
@@ -139,6 +141,7 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
                      mask=(n2 >= L) & (n2 < NOUT) & j_ok[None, :], other=0.0)
     w = w.to(tl.float32)
     w1 = 1.0 + tl.load(nw_ptr + g * D + j, mask=j_ok, other=0.0).to(tl.float32)
+    pdl_wait(PDL)  # the weight tile above overlaps the previous kernel; R, y, s come after
     for bi in tl.static_range(RB):
         if bi < rows:
             v = _updated(r_ptr, y_ptr, s_ptr, bi, g, j, j_ok, D, HC, ADD, BF16)  # R' [BLOCK_K]
@@ -178,13 +181,14 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
 def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
                      D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
                      ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
     """HC read, part 2 (split). Grid (cdiv(D, BLOCK_D),); m, rstd (+ R, y, s) -> x [rows, D],
     R' [rows, C] (when ADD). Per row: u = W_up[hc streams x BLOCK_D columns] . m (fp32, BLOCK_L
     low-rank columns a step: one step when BLOCK_L >= L), rounded; sigmoid, rounded; R' and Rn
     for these columns (R' bit-identical to part 1's); x = sum over streams of round(sigmoid(u) *
     Rn), / hc, rounded.
     """
+    pdl_release(PDL)
     p = tl.program_id(0)
     c = tl.arange(0, HCP * BLOCK_D)  # tile row c: stream c // BLOCK_D, column p*BLOCK_D + c % ..
     stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
@@ -192,14 +196,21 @@ def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr
     w_row = (stream * D + j)[:, None]  # [HCP*BLOCK_D, 1] rows of W_up
     ll = tl.arange(0, BLOCK_L)
     xj = p * BLOCK_D + tl.arange(0, BLOCK_D)
+    # the first low-rank step's weights load before the PDL wait (m comes from part 1)
+    w0 = tl.load(wu_ptr + w_row * L + ll[None, :], mask=c_ok[:, None] & (ll < L)[None, :],
+                 other=0.0)
+    pdl_wait(PDL)
     for bi in tl.static_range(RB):
         if bi < rows:
             acc = tl.zeros([HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
-            for lb in range(0, L, BLOCK_L):
+            for lb in tl.static_range(0, L, BLOCK_L):
                 lo = lb + ll
                 m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0)
-                w = tl.load(wu_ptr + w_row * L + lo[None, :],
-                            mask=c_ok[:, None] & (lo < L)[None, :], other=0.0)
+                if lb == 0:
+                    w = w0
+                else:
+                    w = tl.load(wu_ptr + w_row * L + lo[None, :],
+                                mask=c_ok[:, None] & (lo < L)[None, :], other=0.0)
                 acc += w.to(tl.float32) * m[None, :]
             mix = _rnd(_sigmoid(_rnd(tl.sum(acc, axis=1), BF16)), BF16)  # [HCP*BLOCK_D]
             v = _updated(r_ptr, y_ptr, s_ptr, bi, stream, j, c_ok, D, HC, ADD, BF16)  # R'
@@ -215,9 +226,11 @@ def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr
 
 @_jit
 def _write_kernel(r_ptr, y_ptr, s_ptr, out_ptr, D: tl.constexpr, HC: tl.constexpr,
-                  BF16: tl.constexpr, BLOCK: tl.constexpr):
+                  BF16: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """HC write alone. Grid (rows, cdiv(C, BLOCK)); out = R + s * y per stream with hc_write's two
     roundings (product, then sum): bit-identical to it."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = col < HC * D
@@ -282,7 +295,7 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
     t = tiles or default_tiles(rows)
     rb = _rows_block(rows)
     common = dict(D=D, HC=hc, L=L, ADD=add, BF16=_bf16(R.dtype), RB=rb,
-                  enable_fp_fusion=t.fp_fusion)
+                  enable_fp_fusion=t.fp_fusion, **pdl_launch(R))
     block_k = min(t.down_k, triton.next_power_of_2(D))
     cps = triton.cdiv(D, block_k)  # chunks per stream
     nb, ns = triton.cdiv(NOUT, t.down_rows), hc * cps
@@ -311,5 +324,5 @@ def hc_write_triton(R: Tensor, y: Tensor, s: Tensor, block: int = 1024) -> Tenso
     out = torch.empty_like(R2)
     _write_kernel[(rows, triton.cdiv(C, block))](
         R2, y.reshape(rows, D).contiguous(), s.reshape(rows, hc).contiguous(), out, D=D, HC=hc,
-        BF16=_bf16(R.dtype), BLOCK=block, num_warps=4, enable_fp_fusion=False)
+        BF16=_bf16(R.dtype), BLOCK=block, num_warps=4, enable_fp_fusion=False, **pdl_launch(R))
     return out.view(R.shape)

@@ -66,10 +66,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
 from ftchat.kernels.fp4 import _e2m1_pair, _e2m1_word
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 from ftchat.model import nvfp4
 
 NVFP4_MAX_ROWS = 8  # decode batches: each row costs a multiply-add per decoded weight
@@ -201,7 +201,7 @@ def _x_code(x_word, j: tl.constexpr, x_ok, EVEN_K: tl.constexpr):
 @_jit
 def _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.constexpr,
               CPP: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+              BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
     # acc[n, b] = sum over the program's groups of scale[n, grp] * sum_{k in grp} E2M1 w[n, k] *
     # x[b, k], fp32 [BLOCK_N, RB] (no global yet); w_ptr: int32 words [N4, K/8], s_ptr: scale
     # bytes [N4, K/16]
@@ -219,6 +219,7 @@ def _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.constexpr
     undo = 64.0 if ASM else 16384.0  # the decode's power of two, undone exactly with the scale
     acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
     w, sc = _fp4_chunk(w_rows, s_rows, n_ok, kw0, kg0, kwe, kge, ww, gg, EVEN_K)
+    pdl_wait(PDL)  # the first chunk's weights overlap the previous kernel; x comes after
     for c in tl.static_range(CPP):
         kw = kw0 + c * BW
         if c + 1 < CPP:  # the next chunk's loads go out before this one is decoded
@@ -251,7 +252,7 @@ def _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.constexpr
 @_jit
 def _dense_rows(t_ptr, x_ptr, r, r_ok, s, K: tl.constexpr, KS: tl.constexpr, CPP: tl.constexpr,
                 ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_T: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
     # acc[r, b] = sum over the program's columns k of tail[r, k] x[b, k], fp32 [BLOCK_T, RB]
     kk = tl.arange(0, BLOCK_K)
     bb = tl.arange(0, RB)[None, :]
@@ -266,6 +267,8 @@ def _dense_rows(t_ptr, x_ptr, r, r_ok, s, K: tl.constexpr, KS: tl.constexpr, CPP
         else:
             w = tl.load(t_ptr + r[:, None] * K + k[None, :], mask=r_ok[:, None] & k_ok[None, :],
                         other=0.0)
+        if c == 0:
+            pdl_wait(PDL)  # as in _fp4_rows: after the first weight load
         w = w.to(tl.float32)  # [BLOCK_T, BLOCK_K]
         xk = x_ptr + k[None, :] + 0 * r[:, None]  # [BLOCK_T, BLOCK_K] in w's layout (as above)
         for bi in tl.static_range(ROWS):
@@ -322,28 +325,30 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, t_ptr, out_ptr, part_ptr, cnt
                        CPP: tl.constexpr, SPLIT: tl.constexpr, ROWS: tl.constexpr,
                        RB: tl.constexpr, NB4: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, G_STRIDE: tl.constexpr,
-                       EVEN_K: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+                       EVEN_K: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
+                       PDL: tl.constexpr):
     """Grid (NB4 + cdiv(NT, BLOCK_T), SPLIT); x [ROWS, K] -> out [ROWS, N4 + NT] (x's dtype).
     w: int32 words [N4, K/8] (code j of word w = element 8w + j), s: e4m3 scale bytes
     [N4, K/16], g: fp32 globals (row n at n * G_STRIDE), t: the tail [NT, K]. Program (p, s)
     covers reduction columns [s*KS, min(s*KS + KS, K)) in CPP chunks: NVFP4 rows for p < NB4
     (`_fp4_rows`), tail rows otherwise (`_dense_rows`); `_finish` does the split hand-off.
     """
+    pdl_release(PDL)
     p, s = tl.program_id(0), tl.program_id(1)
     if p < NB4:
         n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] NVFP4 rows = output columns
         n_ok = n < N4
         # (the two branches' names differ: a name set in both must have one type in both)
         acc4 = _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K, KS, CPP, ROWS, RB, BLOCK_N, BLOCK_K,
-                         EVEN_K, ASM)
+                         EVEN_K, ASM, PDL)
         _finish(acc4, n, n_ok, p, s, g_ptr, out_ptr, part_ptr, cnt_ptr, N4 + NT, G_STRIDE, SPLIT,
                 ROWS, RB, True, BF16)
     else:
-        if NT > 0:
+        if NT > 0:  # (else no program runs here: the grid has no tail blocks)
             r = (p - NB4) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T] tail rows
             r_ok = r < NT
             acct = _dense_rows(t_ptr, x_ptr, r, r_ok, s, K, KS, CPP, ROWS, RB, BLOCK_T, BLOCK_K,
-                               EVEN_K)
+                               EVEN_K, PDL)
             _finish(acct, N4 + r, r_ok, p, s, g_ptr, out_ptr, part_ptr, cnt_ptr, N4 + NT,
                     G_STRIDE, SPLIT, ROWS, RB, False, BF16)
 
@@ -431,7 +436,8 @@ def nvfp4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
         N4=N4, NT=Nt, K=K, KS=cpp * bk, CPP=cpp, SPLIT=split, ROWS=rows, RB=_rows_block(rows),
         NB4=nb4, BLOCK_N=t.block_n, BLOCK_T=t.tail_n, BLOCK_K=bk,
         G_STRIDE=1 if g.numel() == N4 else 0, EVEN_K=K % (cpp * bk) == 0,
-        BF16=x.dtype == torch.bfloat16, ASM=t.ptx and _ptx_decode(x.device), num_warps=t.warps)
+        BF16=x.dtype == torch.bfloat16, ASM=t.ptx and _ptx_decode(x.device), num_warps=t.warps,
+        **pdl_launch(x))
     return out.view(*lead, N)
 
 

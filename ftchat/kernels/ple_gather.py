@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _bf16, _rnd
 
 OUT_DTYPES = (torch.bfloat16, torch.float32)  # the kernel's model dtypes (as the other kernels)
@@ -55,10 +56,12 @@ def gather_ref(table: Tensor, scale: float | None, rows: Tensor, dtype: torch.dt
 @_jit
 def _gather_kernel(table_ptr, rows_ptr, out_ptr, scale, NH: tl.constexpr, D: tl.constexpr,
                    NHP: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SCALE: tl.constexpr,
-                   BF16: tl.constexpr):
+                   BF16: tl.constexpr, PDL: tl.constexpr):
     """Grid (n,): program t reads rows[t, :] [nh] int64 and the nh table rows [nh, d] (pinned
     host memory over UVA on CUDA), writes out[t, j*d + c] = round(fp32(table[row_j, c]) * scale).
     Row offsets are int64 (N*d is 51 G elements)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, NHP)  # [NHP] heads
     c = tl.arange(0, BLOCK_D)  # [BLOCK_D] columns
@@ -94,7 +97,8 @@ def gather_triton(table: Tensor, scale: float | None, rows: Tensor, dtype: torch
     _gather_kernel[(flat.shape[0],)](
         table, flat, out, 1.0 if scale is None else scale, NH=nh, D=d,
         NHP=max(2, triton.next_power_of_2(nh)), BLOCK_D=max(2, triton.next_power_of_2(d)),
-        HAS_SCALE=scale is not None, BF16=_bf16(dtype), num_warps=4, enable_fp_fusion=False)
+        HAS_SCALE=scale is not None, BF16=_bf16(dtype), num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(flat))
     return out
 
 

@@ -55,7 +55,8 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _rnd
 from ftchat.model.kv_cache import FP8, FP8_MAX, is_fp8
 
@@ -214,13 +215,15 @@ def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, 
                  V_SB, V_SL, IK_SB, IK_SL, KB_SB, KB_SN, KS_SB, KS_SL, VS_SB, VS_SL, NMAX, EPS,
                  HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HI: tl.constexpr,
                  DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr,
-                 FP8: tl.constexpr, FP8_MAX: tl.constexpr):
+                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
     """Grid (B, Hq + Hkv + Hi + 1). proj [B, NP] -> q [B, Hq, hd], iq [B, Hi, di]; writes
     k, v [B, L, Hkv, hd] and ik [B, L, di] at p = pos[b], kbar [B, NMAX, di] at p // r when the
     token completes its block. Program j: j < Hq query head j; then kv head j - Hq (k normed and
     roped, v copied); then index query head; the last: raw index key and k̄. Exact but for the
     fp32 statistic's summation order and the rsqrt/cos/sin implementations. FP8: k and v are
     the caches' code bytes (uint8), their scales ks, vs [B, L, Hkv] fp32 (module docstring)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
     K_OFF: tl.constexpr = HQ * 2 * HD
@@ -261,11 +264,14 @@ def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, 
 
 @_jit(do_not_specialize=["N"])
 def _rank_kernel(iq_ptr, kbar_ptr, pos_ptr, key_ptr, KB_SB, KB_SN, POS_SB, N, SCALE,
-                 HI: tl.constexpr, DI: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr):
+                 HI: tl.constexpr, DI: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
+                 PDL: tl.constexpr):
     """Grid (B, cdiv(N, BLOCK)); iq [B, Hi, di], kbar [B, >= N, di] -> key [B, N] int64:
     s_n = sum_h max(<iq_h, k̄_n>, 0) * (1/sqrt(di)) in fp32 (exact products of model-dtype
     values; the dot and head sums in another order than torch's), key = bits(s) << 32 | (N-1-n)
     for complete blocks ((n + 1) r <= p + 1), -1 otherwise (their k̄ is not read)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, DI)
@@ -333,7 +339,7 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sel_ptr, selv_ptr, pos_pt
                   K, NSPLIT, TILES, SCALE, HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr,
                   R: tl.constexpr, GP: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCKS_MODE: tl.constexpr, BF16: tl.constexpr, TC: tl.constexpr,
-                  FP8: tl.constexpr):
+                  FP8: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hkv, NSPLIT); split j covers slots [j, j + 1) * TILES * BLOCK_N. q [B, Hq, hd];
     k, v [B, L, Hkv, hd] caches -> part [B, Hq, NSPLIT, hd] fp32 (unnormalised o), ml [B, Hq,
     NSPLIT, 2] fp32 (running max m, sum l). Per tile: gather BLOCK_N K rows of the slots (masked:
@@ -344,6 +350,8 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sel_ptr, selv_ptr, pos_pt
     no valid slot leaves m = -inf, l = 0, o = 0. With the
     combine: the torch path's attention but for fp32 probabilities and summation order
     (tolerance: module docstring)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     bg = tl.program_id(0)
     j = tl.program_id(1)
     b = bg // HKV
@@ -396,11 +404,13 @@ def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, sel_ptr, selv_ptr, pos_pt
 
 @_jit(do_not_specialize=["NSPLIT"])
 def _combine_kernel(part_ptr, ml_ptr, gate_ptr, out_ptr, G_SB, G_SH, NSPLIT, HQ: tl.constexpr,
-                    HD: tl.constexpr, CH: tl.constexpr, BF16: tl.constexpr):
+                    HD: tl.constexpr, CH: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
     """Grid (B * Hq,); part, ml of the splits, gate [B, Hq, hd] (strided) -> out [B, Hq*hd]:
     M = max_j m_j, o = sum_j e^(m_j - M) o_j / sum_j e^(m_j - M) l_j (IEEE division), rounded;
     out = round(o * round(sigmoid(gate))) (torch's formula, IEEE division). The splits are read
     CH at a time (two passes over m: the max, then the weighted sums)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     bh = tl.program_id(0)
     b = bh // HQ
     h = bh % HQ
@@ -498,7 +508,7 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
         ks.stride(1), vs.stride(0), vs.stride(1), kbar.shape[1], float(eps),
         HQ=Hq, HKV=Hkv, HD=hd, HI=Hi, DI=di, RD=dims.rotary_dim, R=dims.ratio,
         BF16=_bf16(proj.dtype), FP8=fp8, FP8_MAX=FP8_MAX, num_warps=2 if hd <= 128 else 4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_launch(proj))
     return q, iq
 
 
@@ -516,7 +526,8 @@ def qsa_rank_keys(iq: Tensor, kbar: Tensor, pos: Tensor, n_blocks: int, ratio: i
     _rank_kernel[(B, triton.cdiv(n_blocks, block))](
         iq, kbar, pos2, keys, kbar.stride(0), kbar.stride(1), pos2.stride(0), n_blocks,
         _recip_sqrt(di), HI=Hi, DI=di, R=ratio, BLOCK=block,
-        num_warps=max(1, min(8, block * di // 1024)))  # ~32 k̄ values a thread: 128 registers
+        num_warps=max(1, min(8, block * di // 1024)),  # ~32 k̄ values a thread: 128 registers
+        **pdl_launch(iq))
     return keys
 
 
@@ -591,11 +602,11 @@ def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), ks_sb, ks_sl, vs_sb, vs_sl,
         sel_sb, pos2.stride(0), S, K, nsplit, tiles, hd**-0.5, HQ=Hq, HKV=Hkv, HD=hd, R=r, GP=gp,
         BLOCK_N=block_n, BLOCKS_MODE=blocks_mode, BF16=bf16, TC=tc, FP8=fp8,
-        num_warps=num_warps or warps_default, enable_fp_fusion=False)
+        num_warps=num_warps or warps_default, enable_fp_fusion=False, **pdl_launch(q))
     out = torch.empty(B, Hq * hd, dtype=q.dtype, device=q.device)
     ch = 8
     _combine_kernel[(B * Hq,)](
         part, ml, gate, out, gate.stride(0), gate.stride(1), nsplit, HQ=Hq, HD=hd, CH=ch,
         BF16=bf16, num_warps=4,
-        enable_fp_fusion=False)
+        enable_fp_fusion=False, **pdl_launch(part))
     return out

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _bf16, _rnd
 
 ROUTER_MAX_ROWS = 8  # decode batches; prefill keeps the torch path
@@ -30,13 +31,15 @@ ROUTER_MAX_ROWS = 8  # decode batches; prefill keeps the torch path
 @_jit
 def _topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, L_SR, E: tl.constexpr, K: tl.constexpr,
                          KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                         BF16: tl.constexpr):
+                         BF16: tl.constexpr, PDL: tl.constexpr):
     """Grid (rows,); logits [rows, E] (row stride L_SR) -> ids [rows, K] int64, weights [rows, K]
     (logits' dtype).
     fp32 softmax over all E (max, exp, sum); K rounds of: the largest logit not yet chosen, the
     lowest index among equal ones, its probability gathered exactly; IEEE divisions for p and the
     renormalisation; one rounding to the model dtype. Ids: torch's for distinct probabilities;
     weights: fp32 rtol 1e-5, bf16 one ulp (module docstring)."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     r = tl.program_id(0)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
@@ -74,6 +77,6 @@ def router_topk_triton(logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Te
     _topk_softmax_kernel[(rows,)](lg, ids, w, lg.stride(0), E=E, K=k,
                                   KP=max(2, triton.next_power_of_2(k)),
                                   BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob,
-                                  BF16=_bf16(lg.dtype), num_warps=1)
+                                  BF16=_bf16(lg.dtype), num_warps=1, **pdl_launch(lg))
     lead = logits.shape[:-1]
     return ids.view(*lead, k), w.view(*lead, k)

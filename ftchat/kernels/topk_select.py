@@ -69,8 +69,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 TOPK_MAX_N = 65536  # the dispatcher's limit (tested up to 65,280 = 255K context / 4)
 CHUNK = 1024  # keys per program of the multi-program path (H200 sweep: 1024 < 2048 < 4096)
@@ -165,10 +165,12 @@ def _emit(idx_ptr, val_ptr, n, key, sel, base):
 @_jit
 def _small_kernel(key_ptr, idx_ptr, val_ptr, N, K, NP: tl.constexpr, S0: tl.constexpr,
                   W0: tl.constexpr, S1: tl.constexpr, W1: tl.constexpr, S2: tl.constexpr,
-                  W2: tl.constexpr, W3: tl.constexpr):
+                  W2: tl.constexpr, W3: tl.constexpr, PDL: tl.constexpr):
     """Grid (B,); keys [B, N] -> indices, values [B, K], ascending index. One program per row:
     the row in registers, the digit passes (S, W: shift, width; W3 = 0: three passes, else a
     fourth of the low W3 bits) on local histograms, then the compaction."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, NP)
     ok = n < N
@@ -185,12 +187,14 @@ def _small_kernel(key_ptr, idx_ptr, val_ptr, N, K, NP: tl.constexpr, S0: tl.cons
 @_jit
 def _hist_kernel(key_ptr, hist_ptr, cnt_ptr, st_ptr, N, K, SHIFT: tl.constexpr,
                  BITS: tl.constexpr, PASS: tl.constexpr, CHUNK: tl.constexpr,
-                 NCH: tl.constexpr):
+                 NCH: tl.constexpr, PDL: tl.constexpr):
     """A pass but the last. Grid (B, NCH); keys [B, N], hist [B, >= 2^BITS] int32 zeros and
     cnt [B] int32 zeros (both left zero), state [B, _ST] int64. Program (b, j) histograms digit
     u >> SHIFT (BITS wide) of its chunk's candidates (keys matching state's prefix of pass
     PASS - 1) into the row's histogram (int32 atomics, nonzero bins); the last of the row to
     arrive picks the digit and stores (prefix, need) of pass PASS."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     ok = n < N
@@ -219,12 +223,14 @@ def _hist_kernel(key_ptr, hist_ptr, cnt_ptr, st_ptr, N, K, SHIFT: tl.constexpr,
 
 @_jit
 def _final_kernel(key_ptr, cnt_ptr, st_ptr, scr_ptr, N, PASS: tl.constexpr, CHUNK: tl.constexpr,
-                  NCH: tl.constexpr, NCHP: tl.constexpr):
+                  NCH: tl.constexpr, NCHP: tl.constexpr, PDL: tl.constexpr):
     """The last pass (u's low 8 bits). Grid (B, NCH); state of pass PASS - 1 -> T, teq (state
     14, 15) and scratch [B, NCH, _SW] int32. Program (b, j) stores the histogram of its
     candidates' digits and the count of its keys above the prefix (plain stores); the last of
     the row sums the histograms in chunk order, picks T and teq, and stores for every chunk its
     output offset and the number of u == T keys in the chunks before it."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     n = j * CHUNK + tl.arange(0, CHUNK)
@@ -264,9 +270,11 @@ def _final_kernel(key_ptr, cnt_ptr, st_ptr, scr_ptr, N, PASS: tl.constexpr, CHUN
 
 @_jit
 def _write_kernel(key_ptr, st_ptr, scr_ptr, idx_ptr, val_ptr, N, K, CHUNK: tl.constexpr,
-                  NCH: tl.constexpr):
+                  NCH: tl.constexpr, PDL: tl.constexpr):
     """Grid (B, NCH); keys, state (T, teq), scratch (offsets) -> indices, values [B, K]:
     program (b, j) compacts its chunk's chosen keys to its offset, in index order."""
+    pdl_release(PDL)
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1)
     n = j * CHUNK + tl.arange(0, CHUNK)
@@ -306,7 +314,7 @@ def topk_keys_triton(keys: Tensor, k: int, chunk: int = CHUNK, small_max: int = 
         (s0, w0), (s1, w1), (s2, w2) = dg[:3]
         _small_kernel[(B,)](keys, idx, val, N, k, NP=npad, S0=s0, W0=w0, S1=s1, W1=w1, S2=s2,
                             W2=w2, W3=dg[3][1] if len(dg) > 3 else 0,
-                            num_warps=num_warps or WARPS)
+                            num_warps=num_warps or WARPS, **pdl_launch(keys))
         return idx, val
     assert chunk >= 256 and chunk & (chunk - 1) == 0, "chunk: a power of two >= 256"
     chunk = max(chunk, triton.next_power_of_2(triton.cdiv(N, 64)))  # <= 64 chunks a row: the
@@ -320,12 +328,13 @@ def topk_keys_triton(keys: Tensor, k: int, chunk: int = CHUNK, small_max: int = 
     grid = (B, nch)
     for p, (shift, bits) in enumerate(dg[:-1]):
         _hist_kernel[grid](keys, hist, cnt, state, N, k, SHIFT=shift, BITS=bits, PASS=p,
-                           CHUNK=chunk, NCH=nch, num_warps=w)
+                           CHUNK=chunk, NCH=nch, num_warps=w, **pdl_launch(keys))
     _final_kernel[grid](keys, cnt, state, scr, N, PASS=len(dg) - 1, CHUNK=chunk, NCH=nch,
-                        NCHP=nchp, num_warps=w)
+                        NCHP=nchp, num_warps=w, **pdl_launch(keys))
     if _edit_state is not None:
         _edit_state(state, idx, val)
-    _write_kernel[grid](keys, state, scr, idx, val, N, k, CHUNK=chunk, NCH=nch, num_warps=w)
+    _write_kernel[grid](keys, state, scr, idx, val, N, k, CHUNK=chunk, NCH=nch, num_warps=w,
+                        **pdl_launch(keys))
     return idx, val
 
 

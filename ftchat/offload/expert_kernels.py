@@ -43,10 +43,10 @@ from ftchat.model.expert_backend import SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
 from ftchat.kernels.fp4 import (  # noqa: F401 (importable from here too)
     _E2M1_E4M3_PTX, _PTX, _e2m1_pair, _e2m1_word)
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
 VARIANTS = ("v1", "v2", "v3")
@@ -282,7 +282,10 @@ def _combine_tile(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, t, cols
 def _gate_up_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8, ROW_F32,
                     D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
                     W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # grid (T * K, cdiv(I, BLOCK_N)); x [T, D] -> h [T, K, I] fp32
     tk = tl.program_id(0)
     r = tl.arange(0, 2 * BLOCK_N)
@@ -304,7 +307,10 @@ def _gate_up_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_
 def _down_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_U8, ROW_F32,
                  D: tl.constexpr, I: tl.constexpr, FP4: tl.constexpr,
                  W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
+                 PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # grid (T * K, cdiv(D, BLOCK_N)); h [T, K, I] fp32 -> y [T, K, D] fp32
     tk = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -318,7 +324,9 @@ def _down_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, ROW_W, ROW_U8,
 @_jit
 def _combine_kernel(y_ptr, weights_ptr, out_ptr, s_ptr, gl_ptr, GL_STRIDE, D: tl.constexpr,
                     K: tl.constexpr, BLOCK_N: tl.constexpr, SHARED: tl.constexpr,
-                    BF16: tl.constexpr):
+                    BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # grid (T, cdiv(D, BLOCK_N)); out[t] = sum_k weights[t, k] * y[t, k], k ascending, fp32
     # (+ the gated shared expert: _combine_tile)
     t = tl.program_id(0)
@@ -335,7 +343,9 @@ def _gate_up_v2_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, R
                        D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
                        W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
-                       ASM: tl.constexpr):
+                       ASM: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # grid (T * K, cdiv(I, BLOCK_N)); x [T, D] -> h [T, K, I] fp32, word-major for NVFP4
     # (element i at (i % 8) * (I / 8) + i // 8: what kernel 2 loads contiguously)
     tk = tl.program_id(0)
@@ -361,7 +371,10 @@ def _down_combine_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, weight
                          D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, FP4: tl.constexpr,
                          W_OFF: tl.constexpr, S_OFF: tl.constexpr, G_OFF: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, EVEN: tl.constexpr,
-                         SHARED: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr):
+                         SHARED: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # grid (T * K, NB); h [T, K, I] fp32 (word-major for NVFP4) -> y [T, K, D] fp32; the last of
     # the K programs of (token, D block) to finish combines that block into out (cnt [T, NB]
     # int32 zeros, left zero)
@@ -386,7 +399,9 @@ def _down_combine_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, weight
 
 @_jit
 def _shared_act_kernel(gu_ptr, h_ptr, GU_STRIDE, I: tl.constexpr, BLOCK: tl.constexpr,
-                       BF16: tl.constexpr):
+                       BF16: tl.constexpr, PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)
     # grid (T, cdiv(I, BLOCK)); gu [T, >= 2I] (gate | up | ...) -> h [T, I] = silu(g) * u, the
     # silu and the product each rounded to the model dtype (torch's F.silu(g) * u)
     t = tl.program_id(0)
@@ -484,22 +499,22 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     if tiles.variant == "v1":
         _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
             x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1,
-            num_warps=tiles.gate_up_warps, **gate_up)
+            num_warps=tiles.gate_up_warps, **gate_up, **pdl_launch(x))
         _down_kernel[(T * K, triton.cdiv(D, n2))](
             h, *banks, slots, y, *strides, D=D, I=I, BLOCK_N=n2, num_warps=tiles.down_warps,
-            **down)
+            **down, **pdl_launch(x))
         _combine_kernel[(T, triton.cdiv(D, n3))](y, weights, out, D=D, K=K, BLOCK_N=n3,
-                                                 num_warps=4, **comb)
+                                                 num_warps=4, **comb, **pdl_launch(x))
         return out
     nb = triton.cdiv(D, n2)
     asm = tiles.variant == "v3" and not INTERPRET  # v3: v2 with the inline-PTX decode
     _gate_up_v2_kernel[(T * K, triton.cdiv(I, n1))](
         x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=tiles.gate_up_warps,
-        ASM=asm, **gate_up)
+        ASM=asm, **gate_up, **pdl_launch(x))
     _down_combine_kernel[(T * K, nb)](
         h, *banks, slots, y, weights, out, counters(x.device, T * nb, "routed"),
         ROW_W=strides[0], ROW_U8=strides[1], ROW_F32=strides[2], D=D, I=I, K=K, BLOCK_N=n2,
-        num_warps=tiles.down_warps, ASM=asm, **down, **comb)
+        num_warps=tiles.down_warps, ASM=asm, **down, **comb, **pdl_launch(x))
     return out
 
 
@@ -512,7 +527,8 @@ def shared_act_triton(gu: Tensor, inter: int) -> Tensor:
     h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)
     block = min(1024, triton.next_power_of_2(inter))
     _shared_act_kernel[(T, triton.cdiv(inter, block))](
-        gu, h, gu.stride(0), I=inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16, num_warps=4)
+        gu, h, gu.stride(0), I=inter, BLOCK=block, BF16=gu.dtype == torch.bfloat16, num_warps=4,
+        **pdl_launch(gu))
     return h
 
 

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Session 9's device calls. Usage: run(command="bash benchmarks/device_s9.sh MODE...", timeout_s=600)
+#   probe  Triton / PDL support on the device, and one PDL GEMV in a CUDA graph against eager
+#   tier   the GPU test tier in parallel groups (as device_s8.sh tier); logs joined in one file
+#   pdl48  the 48-layer resident decode, PDL on vs off, same process (CTX, default 4k,255k)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+L=/tmp/s9logs; mkdir -p $L
+T=${TIER_S:-300}
+gpu() {  # name, seconds, pytest args... (background)
+  local name=$1 secs=$2; shift 2
+  ( timeout "$secs" python3 -m pytest -m gpu -q -rf -p no:cacheprovider "$@" > "$L/gpu_$name.log" 2>&1
+    echo "gpu $name rc=$?: $(tail -1 "$L/gpu_$name.log")" ) &
+}
+for mode in "$@"; do
+  case $mode in
+    probe)
+      python3 - <<'PY' 2>&1 | tail -20
+import torch, triton
+import ftchat.kernels as k
+from ftchat.kernels import gemv
+print("torch", torch.__version__, "triton", triton.__version__, "HAS_GDC", k.HAS_GDC,
+      "cap", torch.cuda.get_device_capability())
+x = torch.randn(1, 6144, device="cuda", dtype=torch.bfloat16)
+ws = [torch.randn(2560 if i % 2 == 0 else 6144, 6144 if i % 2 == 0 else 2560, device="cuda",
+                  dtype=torch.bfloat16) / 50 for i in range(8)]
+def chain():
+    h = x
+    for w in ws:
+        h = gemv.linear_triton(h, w)
+    return h
+with k.pdl_kernels(False):
+    ref = chain()
+print("pdl args", k.pdl_launch(x))
+eager = chain()
+g = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    chain(); torch.cuda.synchronize()
+    with torch.cuda.graph(g, stream=s):
+        out = chain()
+g.replay(); torch.cuda.synchronize()
+print("eager pdl == no pdl:", torch.equal(eager, ref), " graph pdl == no pdl:", torch.equal(out, ref))
+PY
+      ;;
+    tier)
+      g=tests/gpu
+      gpu offload $T $g/test_offload_gpu.py
+      gpu qsa $T $g/test_qsa_decode_gpu.py $g/test_qsa_kv_fp8_gpu.py
+      gpu gdn_moe $T $g/test_gdn_decode_gpu.py $g/test_moe_fused_gpu.py tests/test_nvfp4.py
+      gpu hyper_gemv $T $g/test_hyper_router_gpu.py $g/test_gemv_gpu.py
+      gpu topk_emb_verify $T $g/test_qsa_topk_gpu.py $g/test_embedding_gpu.py $g/test_verify_graph_gpu.py
+      gpu kernels $T $g/test_kernels_gpu.py $g/test_cache_gpu.py $g/test_cache_kernels_graph_gpu.py \
+        $g/test_profile_gpu.py $g/test_synth_memory_gpu.py $g/test_ple_gather_gpu.py
+      gpu cache_kernels $T $g/test_cache_kernels_gpu.py
+      gpu nvfp4 $T $g/test_nvfp4_gemv_gpu.py $g/test_nvfp4_dequant_gpu.py
+      [ -f $g/test_moe_prefill_gpu.py ] && gpu moe_prefill $T $g/test_moe_prefill_gpu.py
+      wait
+      for f in $L/gpu_*.log; do echo "=== $f"; grep -E "FAILED|Error|passed|failed" "$f" | tail -15; done > "$O/tier.log"
+      grep -B2 -A30 "FAILED\|Error" $L/gpu_*.log | head -150 >> "$O/tier.log" ;;
+    pdl48)
+      CTX=${CTX:-4k,255k} DENSE=nvfp4 ARMS="resident;resident:pdl=0" bash benchmarks/device_bench48.sh resident ;;
+  esac
+done
