@@ -126,13 +126,14 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
 
 
 def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: int,
-            experts: ExpertBackend) -> Tensor:
-    """Run tokens ids [T] of sequence `row` from position `start`; logits [T, V]."""
+            experts: ExpertBackend, logits_at: slice | None = slice(None)) -> Tensor | None:
+    """Run tokens ids [T] of sequence `row` from position `start`; logits [n, V] of the n
+    positions `logits_at` picks (every one by default), None for logits_at None (forward)."""
     T = ids.shape[0]
     pos = torch.arange(start, start + T, device=m.device)[None]  # [1, T]
     logits = forward(ids[None].to(m.device), pos, m.weights, state, slice(row, row + 1),
-                     experts.for_prefill(), m.args, kv_len=start + T)
-    return logits[0]
+                     experts.for_prefill(), m.args, kv_len=start + T, logits_at=logits_at)
+    return None if logits is None else logits[0]
 
 
 def decode_step(m: LoadedModel, state: DecodeState, tokens: Tensor, lengths: list[int],
@@ -190,9 +191,13 @@ class Decoder:
             self.experts.reset()
 
     def prefill(self, row: int, ids: Tensor, start: int,
-                on_prefill: Callable[[int, int], None] | None = None) -> Tensor:
-        """Logits [T, V] of ids [T] appended to sequence `row` at position `start`, in chunks
-        (activations, expert staging and the QSA block scores grow with the chunk).
+                on_prefill: Callable[[int, int], None] | None = None,
+                all_logits: bool = False) -> Tensor:
+        """Logits [1, V] of the last of ids [T] appended to sequence `row` at position `start`
+        (all the next token needs), or with all_logits those of every token, [T, V] (tests that
+        compare positions; T x V does not fit a long prompt). Runs in chunks (activations,
+        expert staging and the QSA block scores grow with the chunk); only the last chunk runs
+        the final mixer and lm_head unless all_logits.
 
         `on_prefill(done, total)` is called before the first chunk (done 0: the start time) and
         after each one, once its work is finished (a progress line for long prompts)."""
@@ -202,7 +207,12 @@ class Decoder:
             on_prefill(0, total)
         for i in range(0, total, step):
             chunk = ids[i : i + step]
-            out.append(prefill(self.m, self.state, row, chunk, start + i, self.experts))
+            final = i + step >= total  # earlier chunks only advance the state
+            at = slice(None) if all_logits else (slice(-1, None) if final else None)
+            logits = prefill(self.m, self.state, row, chunk, start + i, self.experts,
+                             logits_at=at)
+            if logits is not None:
+                out.append(logits)
             if on_prefill is not None:
                 _now(self.m.device)  # SYNC: report finished work, not queued kernels
                 on_prefill(min(i + step, total), total)

@@ -339,8 +339,9 @@ def prefill_workspace(a: ModelArgs, layout: RowLayout, act: int, T: int, L: int,
                   _dequant_bytes(layout, act, a, min(U, EXPERT_GROUP), T, fused),
               "GDN chunked": 16 * T * (2 * Hk * dk + 2 * Hv * dk)}  # fp32 chunk tensors
     top = max(layers, key=layers.get)  # one layer's transients at a time
-    return {top: layers[top], "residual": 6 * T * hcD * act,
-            "logits": T * V * act}  # [T, V]: prefill keeps every token's logits
+    # logits: [1, V], the last position's (Decoder.prefill); the sampler's fp32 / int64 rows of
+    # them come after the layers' transients are freed, so they do not add to this peak
+    return {top: layers[top], "residual": 6 * T * hcD * act, "logits": V * act}
 
 
 def _human(n: float) -> str:

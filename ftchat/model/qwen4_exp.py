@@ -157,8 +157,11 @@ def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None) -> Share
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,
-            experts: ExpertBackend, a: ModelArgs, kv_len: int) -> Tensor:
-    """Logits [B, T, V] for tokens [B, T] at positions pos [B, T] of state rows `rows` (B of them).
+            experts: ExpertBackend, a: ModelArgs, kv_len: int,
+            logits_at: slice | None = slice(None)) -> Tensor | None:
+    """Logits [B, n, V] for tokens [B, T] at positions pos [B, T] of state rows `rows` (B of them):
+    the n positions of T that `logits_at` picks (every one by default; slice(-1, None): the last,
+    all a prefill's sampler needs). None: no logits (an earlier prefill chunk), returns None.
 
     The state rows (views) advance in place: KV, conv, recurrent, PLE context. Attention reads
     the first kv_len cache entries (> every position in pos).
@@ -184,6 +187,13 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
     n = a.ngram_size - 1
     ctx = state.ple_ctx[rows]
     ctx.copy_(torch.cat([ctx, tokens.to(ctx.dtype)], dim=1)[:, -n:])
+    if logits_at is None:
+        return None  # only the state advances: R feeds nothing but the logits
+    # The pending write, the final mixer and lm_head are per token (ARCH.md 3.1: a grouped norm
+    # and linears over each token's streams), so picking the rows first is the same math and a
+    # long prefill chunk skips the [T, V] output. Bits may move by the summation order of a
+    # GEMM of fewer rows, and on CUDA <= 8 rows take decode's fused mixer (within a bf16 ulp).
+    R, y, s = R[:, logits_at], y[:, logits_at], s[:, logits_at]
     _, h, _ = hc_write_read(R, y, s, W.final_mixer, a, inject=False)
     return F.linear(h, W["lm_head.weight"])
 
