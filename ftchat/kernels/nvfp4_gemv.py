@@ -78,6 +78,7 @@ DISPATCH_MAX_ROWS = NVFP4_MAX_ROWS  # `linear` takes the kernel for every decode
 SPLIT_MAX = 8  # the defaults' split-K: one chunk a program, at most this many programs a block
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # no inline PTX there: the bit decode
 GROUP = nvfp4.GROUP  # elements per block scale (2 int32 words of codes)
+TC_ROWS = 16  # x's rows padded for tl.dot (its smallest N); decode batches have <= 8
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,8 @@ class Nvfp4Tiles:
     tail_n: int = 4  # BLOCK_T: tail rows per program (same chunks and split)
     ptx: bool = False  # the inline-PTX E2M1 decode (CUDA sm_89+); False: the bit steps
     # (measured faster on the H200: 23.3 against 29.3 us at bs 1, 29.1 against 35.8 at bs 2)
+    tc: bool = False  # tensor cores: the decoded weights times their block scale (exact in
+    # bf16) in a tl.dot with x padded to TC_ROWS rows; the multiply-adds leave the ALUs
 
 
 def default_tiles(N4: int, Nt: int, K: int, rows: int = 1) -> Nvfp4Tiles:
@@ -138,6 +141,12 @@ SWEEP = [
     Nvfp4Tiles(4, 512, 1, 1),
     Nvfp4Tiles(8, 256, 2, 1),
     Nvfp4Tiles(4, 256, 2, 1),
+    Nvfp4Tiles(64, 256, 10, 4, tc=True),
+    Nvfp4Tiles(64, 512, 5, 4, tc=True),
+    Nvfp4Tiles(128, 256, 10, 4, tc=True),
+    Nvfp4Tiles(32, 256, 10, 2, tc=True),
+    Nvfp4Tiles(16, 512, 5, 1, tc=True),
+    Nvfp4Tiles(64, 128, 20, 4, tc=True),
 ]
 
 
@@ -250,6 +259,55 @@ def _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.constexpr
 
 
 @_jit
+def _fp4_rows_tc(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.constexpr,
+                 CPP: tl.constexpr, ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, TC: tl.constexpr,
+                 PDL: tl.constexpr):
+    # _fp4_rows' acc [BLOCK_N, RB] (RB = TC_ROWS) on tensor cores: per chunk the codes decode to
+    # E2M1 * 2^-14 (bit steps), times 2^14 * their block scale in fp32 (exact: E2M1 has 2 and
+    # e4m3 4 significant bits, so the product fits bf16's 8), as bf16 [BLOCK_N, BLOCK_K] in
+    # element order; tl.dot with x^T [BLOCK_K, RB] (rows >= ROWS zero) accumulates in fp32
+    BW: tl.constexpr = BLOCK_K // 8
+    BG: tl.constexpr = BLOCK_K // 16
+    ww = tl.arange(0, BW)
+    gg = tl.arange(0, BG)
+    kk = tl.arange(0, BLOCK_K)
+    bb = tl.arange(0, RB)
+    w_rows = w_ptr + n[:, None] * (K // 8)
+    s_rows = s_ptr + n[:, None] * (K // 16)
+    kw0 = s * (KS // 8)
+    kg0 = s * (KS // 16)
+    kwe = tl.minimum(kw0 + KS // 8, K // 8)
+    kge = tl.minimum(kg0 + KS // 16, K // 16)
+    acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
+    w, sc = _fp4_chunk(w_rows, s_rows, n_ok, kw0, kg0, kwe, kge, ww, gg, EVEN_K)
+    pdl_wait(PDL)
+    for c in tl.static_range(CPP):
+        kw = kw0 + c * BW
+        if c + 1 < CPP:
+            w_next, sc_next = _fp4_chunk(w_rows, s_rows, n_ok, kw + BW, kg0 + (c + 1) * BG, kwe,
+                                         kge, ww, gg, EVEN_K)
+        c0, c1, c2, c3, c4, c5, c6, c7 = _codes(w, False)  # [BLOCK_N, BW], E2M1 * 2^-14
+        scale = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0  # [BLOCK_N, BG]
+        sw = tl.reshape(tl.join(scale, scale), (BLOCK_N, BW))  # word w's group: w // 2
+        # element 8w + j: a join adds a last (fastest) dim, so the first join pairs j's top bit
+        # and the last its lowest; the reshape keeps row-major order
+        q0 = tl.join(tl.join(c0 * sw, c4 * sw), tl.join(c2 * sw, c6 * sw))
+        q1 = tl.join(tl.join(c1 * sw, c5 * sw), tl.join(c3 * sw, c7 * sw))
+        wt = tl.reshape(tl.join(q0, q1), (BLOCK_N, BLOCK_K)).to(tl.bfloat16)
+        k = 8 * kw + kk  # [BLOCK_K] columns of x
+        x_ok = (k < 8 * kwe)[:, None] & (bb < ROWS)[None, :]
+        xt = tl.load(x_ptr + bb[None, :] * K + k[:, None], mask=x_ok, other=0.0)  # [BLOCK_K, RB]
+        if TC == 1:
+            acc = tl.dot(wt, xt.to(tl.bfloat16), acc)
+        else:  # the interpreter, whose bf16 dot is wrong: the same exact operands in fp32
+            acc = tl.dot(wt.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+        if c + 1 < CPP:
+            w, sc = w_next, sc_next
+    return acc
+
+
+@_jit
 def _dense_rows(t_ptr, x_ptr, r, r_ok, s, K: tl.constexpr, KS: tl.constexpr, CPP: tl.constexpr,
                 ROWS: tl.constexpr, RB: tl.constexpr, BLOCK_T: tl.constexpr,
                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
@@ -326,7 +384,7 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, t_ptr, out_ptr, part_ptr, cnt
                        RB: tl.constexpr, NB4: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, G_STRIDE: tl.constexpr,
                        EVEN_K: tl.constexpr, BF16: tl.constexpr, ASM: tl.constexpr,
-                       PDL: tl.constexpr):
+                       TC: tl.constexpr, PDL: tl.constexpr):
     """Grid (NB4 + cdiv(NT, BLOCK_T), SPLIT); x [ROWS, K] -> out [ROWS, N4 + NT] (x's dtype).
     w: int32 words [N4, K/8] (code j of word w = element 8w + j), s: e4m3 scale bytes
     [N4, K/16], g: fp32 globals (row n at n * G_STRIDE), t: the tail [NT, K]. Program (p, s)
@@ -339,8 +397,12 @@ def _nvfp4_gemv_kernel(x_ptr, w_ptr, s_ptr, g_ptr, t_ptr, out_ptr, part_ptr, cnt
         n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] NVFP4 rows = output columns
         n_ok = n < N4
         # (the two branches' names differ: a name set in both must have one type in both)
-        acc4 = _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K, KS, CPP, ROWS, RB, BLOCK_N, BLOCK_K,
-                         EVEN_K, ASM, PDL)
+        if TC > 0:
+            acc4 = _fp4_rows_tc(w_ptr, s_ptr, x_ptr, n, n_ok, s, K, KS, CPP, ROWS, RB, BLOCK_N,
+                                BLOCK_K, EVEN_K, TC, PDL)
+        else:
+            acc4 = _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K, KS, CPP, ROWS, RB, BLOCK_N,
+                             BLOCK_K, EVEN_K, ASM, PDL)
         _finish(acc4, n, n_ok, p, s, g_ptr, out_ptr, part_ptr, cnt_ptr, N4 + NT, G_STRIDE, SPLIT,
                 ROWS, RB, True, BF16)
     else:
@@ -418,6 +480,7 @@ def nvfp4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
     assert 1 <= rows <= NVFP4_MAX_ROWS, f"{rows} rows: at most {NVFP4_MAX_ROWS}"
     N = N4 + Nt
     t = tiles or default_tiles(N4, Nt, K, rows)
+    tc = t.tc and x.dtype == torch.bfloat16  # fp32 x keeps the exact ALU sums (no tf32)
     assert _pow2(t.block_n) and _pow2(t.tail_n) and _pow2(t.block_k) and t.block_k >= GROUP, \
         f"powers of two, block_k >= {GROUP}: {t}"
     bk, split, cpp = launch_plan(K, t)
@@ -433,11 +496,12 @@ def nvfp4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
     _nvfp4_gemv_kernel[(nb4 + nbt, split)](
         x2, packed.view(torch.int32), scale.view(torch.uint8), g.reshape(-1),
         x2 if tail is None else tail, out, part, cnt,
-        N4=N4, NT=Nt, K=K, KS=cpp * bk, CPP=cpp, SPLIT=split, ROWS=rows, RB=_rows_block(rows),
+        N4=N4, NT=Nt, K=K, KS=cpp * bk, CPP=cpp, SPLIT=split, ROWS=rows,
+        RB=TC_ROWS if tc else _rows_block(rows),
         NB4=nb4, BLOCK_N=t.block_n, BLOCK_T=t.tail_n, BLOCK_K=bk,
         G_STRIDE=1 if g.numel() == N4 else 0, EVEN_K=K % (cpp * bk) == 0,
-        BF16=x.dtype == torch.bfloat16, ASM=t.ptx and _ptx_decode(x.device), num_warps=t.warps,
-        **pdl_launch(x))
+        BF16=x.dtype == torch.bfloat16, ASM=t.ptx and _ptx_decode(x.device), TC=(2 if INTERPRET else 1) if tc else 0,
+        num_warps=t.warps, **pdl_launch(x))
     return out.view(*lead, N)
 
 

@@ -166,12 +166,16 @@ def test_default_tiles_odd_shapes(shape, dtype, lead):
 
 TILES = [ng.Nvfp4Tiles(8, 16, 3, 1, 4), ng.Nvfp4Tiles(4, 32, 2, 2, 8),
          ng.Nvfp4Tiles(16, 64, 1, 4, 2), ng.Nvfp4Tiles(2, 256, 8, 1, 16),
-         ng.Nvfp4Tiles(32, 128, 4, 2, 4, ptx=True)]
+         ng.Nvfp4Tiles(32, 128, 4, 2, 4, ptx=True),
+         # the tensor-core path: one group a chunk (several a program), a split, a whole-K chunk
+         ng.Nvfp4Tiles(16, 16, 3, 1, 4, tc=True), ng.Nvfp4Tiles(32, 32, 2, 2, 8, tc=True),
+         ng.Nvfp4Tiles(64, 64, 1, 4, 2, tc=True)]
 
 
 @pytest.mark.parametrize("lead", [(), (1, 1), (2,), (3, 1), (2, 2, 2)], ids=str)
 @pytest.mark.parametrize("tiles", TILES, ids=["8x16s3", "4x32s2", "16x64s1", "2x256s8",
-                                              "32x128s4ptx"])
+                                              "32x128s4ptx", "16x16s3tc", "32x32s2tc",
+                                              "64x64s1tc"])
 def test_lead_shapes_tiles_and_masks(lead, tiles):
     # N4 = 37, Nt = 5, K = 48 (3 groups): masked row blocks and tail blocks, chunks of one group
     # (several a program: the prefetch), splits leaving the last program short or with one
@@ -183,11 +187,13 @@ def test_lead_shapes_tiles_and_masks(lead, tiles):
 
 @pytest.mark.parametrize("shape,tiles", [((130, 0, 1040), ng.Nvfp4Tiles(8, 256, 2, 1)),
                                          ((40, 7, 1040), ng.Nvfp4Tiles(8, 64, 3, 1, 4)),
-                                         ((40, 7, 1040), ng.Nvfp4Tiles(16, 512, 1, 2, 4))],
-                         ids=["130x1040s2", "40x1040cpp", "40x1040whole"])
+                                         ((40, 7, 1040), ng.Nvfp4Tiles(16, 512, 1, 2, 4)),
+                                         ((40, 7, 1040), ng.Nvfp4Tiles(16, 64, 3, 1, 4, tc=True))],
+                         ids=["130x1040s2", "40x1040cpp", "40x1040whole", "40x1040cpp_tc"])
 def test_masked_k_chunks(shape, tiles):
-    # K = 1040 = 65 groups: the last chunk of the last program is partly outside K
-    args, y64 = _case(shape, (2,), FP32, seed=5)
+    # K = 1040 = 65 groups: the last chunk of the last program is partly outside K (bf16 x for
+    # the tensor-core tiles: fp32 x keeps the ALU path)
+    args, y64 = _case(shape, (2,), BF16 if tiles.tc else FP32, seed=5)
     bk, _, cpp = ng.launch_plan(shape[2], tiles)
     assert shape[2] % (bk * cpp), "a program's chunks must overhang K here"
     _check(args, y64, tiles)
