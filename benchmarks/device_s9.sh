@@ -3,6 +3,7 @@
 #   probe  Triton / PDL support on the device, and one PDL GEMV in a CUDA graph against eager
 #   tier   the GPU test tier in parallel groups (as device_s8.sh tier); logs joined in one file
 #   pdl48  the 48-layer resident decode, PDL on vs off, same process (CTX, default 4k,255k)
+#   gemv4  the NVFP4 GEMV's tile sweep at bs 1, 2 (the tensor-core tiles included)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 L=/tmp/s9logs; mkdir -p $L
@@ -58,6 +59,10 @@ PY
       wait
       for f in $L/gpu_*.log; do echo "=== $f"; grep -E "FAILED|Error|passed|failed" "$f" | tail -15; done > "$O/tier.log"
       grep -B2 -A30 "FAILED\|Error" $L/gpu_*.log | head -150 >> "$O/tier.log" ;;
+    gemv4)
+      timeout ${GEMV_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 --sweep \
+        --out "$O/bench_gemv_nvfp4.json" > "$L/bench_gemv_nvfp4.log" 2>&1
+      echo "bench_gemv nvfp4 rc=$?"; grep -v "^ *$" "$L/bench_gemv_nvfp4.log" | cut -c1-220 | tail -40 ;;
     pdl48)
       CTX=${CTX:-4k,255k} DENSE=nvfp4 ARMS="resident;resident:pdl=0" bash benchmarks/device_bench48.sh resident ;;
   esac
