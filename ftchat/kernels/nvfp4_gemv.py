@@ -93,10 +93,14 @@ class Nvfp4Tiles:
     ptx: bool = False  # the inline-PTX E2M1 decode (CUDA sm_89+); False: the bit steps
     # (measured faster on the H200: 23.3 against 29.3 us at bs 1, 29.1 against 35.8 at bs 2)
     tc: bool = False  # tensor cores: the decoded weights times their block scale (exact in
-    # bf16) in a tl.dot with x padded to TC_ROWS rows; the multiply-adds leave the ALUs
+    # bf16) in a tl.dot with x padded to TC_ROWS rows; the multiply-adds leave the ALUs. Needs
+    # block_k >= 32 and block_n >= 16 (no size-1 dims: the H200 computed 16 x 16 tiles wrong)
 
 
-def default_tiles(N4: int, Nt: int, K: int, rows: int = 1) -> Nvfp4Tiles:
+TC_TILES_K = 256  # the tensor-core default's chunk (bench_gemv.py --arms nvfp4 --sweep, session 9)
+
+
+def default_tiles(N4: int, Nt: int, K: int, rows: int = 1, bf16: bool = True) -> Nvfp4Tiles:
     """The rule, reasoned for the H200 and then swept there (PTX decode, bs 1 / 2; bench_gemv.py
     --sweep): 132 SMs and ~4.8 TB/s of HBM want ~4 MB in flight (bandwidth x ~0.8 us latency),
     ~30 KB an SM: many small programs, each issuing all of its bytes at once. One-warp programs
@@ -112,8 +116,15 @@ def default_tiles(N4: int, Nt: int, K: int, rows: int = 1) -> Nvfp4Tiles:
     count (rows 3 / 5 / 8: ~96 / 168 / 250 registers). In the sweep the default was the best at
     bs 2 and within 1 % of the split-5 tiles at bs 1, where split 1 (2048 programs of 5 chunks)
     was 12 % faster (25 % slower at bs 2); 2-8 warp programs of 16-128 rows were 1.2-5x slower.
+    From 2 rows of bf16 x (K a multiple of 256) the tensor-core tiles: 64 rows x 256 columns, 4
+    warps, one chunk a program; measured (H200, session 9, same process) 24.4 us at bs 2 against
+    27.7 for the one-warp tiles (and 23.9 against 21.4 at bs 1, where the one-warp tiles stay).
     """
-    del N4, Nt, rows
+    del N4, Nt
+    if rows >= 2 and bf16 and K % TC_TILES_K == 0:
+        nk = K // TC_TILES_K
+        return Nvfp4Tiles(block_n=64, block_k=TC_TILES_K, split=min(nk, 2 * SPLIT_MAX), warps=4,
+                          tail_n=4, tc=True)
     bk = _step(K, 512)
     if bk < 256:
         bk = min(512, triton.next_power_of_2(K))
@@ -479,8 +490,10 @@ def nvfp4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
     rows = x2.shape[0]
     assert 1 <= rows <= NVFP4_MAX_ROWS, f"{rows} rows: at most {NVFP4_MAX_ROWS}"
     N = N4 + Nt
-    t = tiles or default_tiles(N4, Nt, K, rows)
+    t = tiles or default_tiles(N4, Nt, K, rows, x.dtype == torch.bfloat16)
     tc = t.tc and x.dtype == torch.bfloat16  # fp32 x keeps the exact ALU sums (no tf32)
+    assert not t.tc or (t.block_k >= 2 * GROUP and t.block_n >= 16), \
+        f"tensor-core tiles: block_k >= {2 * GROUP}, block_n >= 16: {t}"
     assert _pow2(t.block_n) and _pow2(t.tail_n) and _pow2(t.block_k) and t.block_k >= GROUP, \
         f"powers of two, block_k >= {GROUP}: {t}"
     bk, split, cpp = launch_plan(K, t)

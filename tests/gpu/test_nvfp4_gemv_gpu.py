@@ -168,13 +168,13 @@ TILES = [ng.Nvfp4Tiles(8, 16, 3, 1, 4), ng.Nvfp4Tiles(4, 32, 2, 2, 8),
          ng.Nvfp4Tiles(16, 64, 1, 4, 2), ng.Nvfp4Tiles(2, 256, 8, 1, 16),
          ng.Nvfp4Tiles(32, 128, 4, 2, 4, ptx=True),
          # the tensor-core path: one group a chunk (several a program), a split, a whole-K chunk
-         ng.Nvfp4Tiles(16, 16, 3, 1, 4, tc=True), ng.Nvfp4Tiles(32, 32, 2, 2, 8, tc=True),
+         ng.Nvfp4Tiles(16, 32, 3, 1, 4, tc=True), ng.Nvfp4Tiles(32, 32, 2, 2, 8, tc=True),
          ng.Nvfp4Tiles(64, 64, 1, 4, 2, tc=True)]
 
 
 @pytest.mark.parametrize("lead", [(), (1, 1), (2,), (3, 1), (2, 2, 2)], ids=str)
 @pytest.mark.parametrize("tiles", TILES, ids=["8x16s3", "4x32s2", "16x64s1", "2x256s8",
-                                              "32x128s4ptx", "16x16s3tc", "32x32s2tc",
+                                              "32x128s4ptx", "16x32s3tc", "32x32s2tc",
                                               "64x64s1tc"])
 def test_lead_shapes_tiles_and_masks(lead, tiles):
     # N4 = 37, Nt = 5, K = 48 (3 groups): masked row blocks and tail blocks, chunks of one group
@@ -231,13 +231,19 @@ def test_wrapper_rejects_what_it_cannot_take():
             ng.nvfp4_linear_triton(*args)
     with pytest.raises(AssertionError):
         ng.nvfp4_linear_triton(x, packed, scale, g, tail, ng.Nvfp4Tiles(8, 8, 1, 1))  # < group
+    with pytest.raises(AssertionError):  # tensor-core tiles of one group a chunk
+        ng.nvfp4_linear_triton(x, packed, scale, g, tail, ng.Nvfp4Tiles(16, 16, 1, 1, tc=True))
 
 
 def test_default_tiles_rule_and_sweep():
     # the documented default at the decode shape: one-warp programs of 8 rows x 512 columns, one
     # chunk each (split 5), tail blocks of 4 rows; thousands of programs for the real shapes
     assert ng.default_tiles(*REAL, 1) == ng.Nvfp4Tiles(8, 512, 5, 1, 4)
-    assert ng.default_tiles(*REAL, 2) == ng.default_tiles(*REAL, 1)
+    # from two bf16 rows the tensor-core tiles, one 256-column chunk a program; fp32 x keeps
+    # the one-warp tiles
+    assert ng.default_tiles(*REAL, 2) == ng.Nvfp4Tiles(64, 256, 10, 4, 4, tc=True)
+    assert ng.default_tiles(*REAL, 8) == ng.default_tiles(*REAL, 2)
+    assert ng.default_tiles(*REAL, 2, bf16=False) == ng.default_tiles(*REAL, 1)
     assert ng.launch_plan(2560, ng.default_tiles(*REAL)) == (512, 5, 1)
     for N4, K in ((16384, 2560), (10240, 2560), (6144, 2560), (2560, 6144), (4096, 1024)):
         t = ng.default_tiles(N4, 96, K)

@@ -195,7 +195,7 @@ def test_preset_counter_blocks_the_last_program():
     cnt.fill_(1000)
     try:
         ts._hist_kernel[(2, nch)](keys, hist, cnt, state, 4096, 512, SHIFT=20, BITS=12, PASS=0,
-                                  CHUNK=MULTI_CHUNK, NCH=nch, num_warps=4)
+                                  CHUNK=MULTI_CHUNK, NCH=nch, num_warps=4, PDL=False)
         assert cnt.tolist() == [1000 + nch] * 2
         assert int(hist.sum()) == 2 * 4096  # every key counted once, nothing reset
         assert bool((state == -7).all())
