@@ -4,6 +4,11 @@
 #   tier   the GPU test tier in parallel groups (as device_s8.sh tier); logs joined in one file
 #   pdl48  the 48-layer resident decode, PDL on vs off, same process (CTX, default 4k,255k)
 #   gemv4  the NVFP4 GEMV's tile sweep at bs 1, 2 (the tensor-core tiles included)
+#   fixes  the GPU files changed after the tier call (parallel groups; the PLE test also without PDL)
+#   moe    the grouped-GEMM prefill experts: bench_moe_prefill.py (old torch path vs the kernels)
+#   offload48  decode at 48 layers, 1,650 slots: resident / off / on / on:budget=4 (CTX 32k,255k)
+#   prefill48  prefill tok/s at 48 layers, 1,650 slots (CHUNKS, LENGTHS; dense NVFP4)
+#   e2e    a 261,000-token prompt prefilled and decoded at 48 layers under --vram-budget 15.9
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 L=/tmp/s9logs; mkdir -p $L
@@ -63,6 +68,30 @@ PY
       timeout ${GEMV_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 --sweep \
         --out "$O/bench_gemv_nvfp4.json" > "$L/bench_gemv_nvfp4.log" 2>&1
       echo "bench_gemv nvfp4 rc=$?"; grep -v "^ *$" "$L/bench_gemv_nvfp4.log" | cut -c1-220 | tail -40 ;;
+    fixes)
+      g=tests/gpu
+      gpu nvfp4_gemv $T $g/test_nvfp4_gemv_gpu.py
+      gpu topk $T $g/test_qsa_topk_gpu.py
+      gpu gdn $T $g/test_gdn_decode_gpu.py
+      ( timeout 200 python3 -m pytest -m gpu -q -x -vv -p no:cacheprovider $g/test_ple_gather_gpu.py > $L/ple.log 2>&1
+        echo "ple rc=$?"; FTCHAT_PDL=0 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider $g/test_ple_gather_gpu.py -k pinned_and_gathered > $L/ple_nopdl.log 2>&1
+        echo "ple without PDL rc=$?: $(tail -1 $L/ple_nopdl.log)" ) &
+      [ -f $g/test_moe_prefill_gpu.py ] && gpu moe_prefill $T $g/test_moe_prefill_gpu.py
+      wait
+      for f in $L/gpu_*.log; do echo "=== $f"; grep -E "FAILED|Error|passed|failed" "$f" | tail -15; done > "$O/fixes.log"
+      grep -B5 -A25 "FAILED\|Error\|assert" $L/gpu_*.log | head -120 >> "$O/fixes.log"
+      grep -B30 -A10 "Error\|assert" $L/ple.log | head -100 >> "$O/fixes.log"; tail -3 $L/ple.log >> "$O/fixes.log" ;;
+    moe)
+      timeout ${MOE_S:-200} python3 benchmarks/bench_moe_prefill.py > "$O/bench_moe_prefill.json" 2> "$L/moe.err"
+      echo "bench_moe_prefill rc=$?"; tail -20 "$L/moe.err" | cut -c1-200; cut -c1-3000 "$O/bench_moe_prefill.json" ;;
+    offload48)
+      CTX=${CTX:-32k,255k} DENSE=nvfp4 bash benchmarks/device_bench48.sh offload ;;
+    prefill48)
+      CHUNKS=${CHUNKS:-8192} LENGTHS=${LENGTHS:-32768} DENSE=nvfp4 timeout ${PREFILL_S:-300} bash benchmarks/device_prefill48.sh ;;
+    e2e)
+      timeout ${E2E_S:-500} python3 benchmarks/e2e48.py --tokens ${TOKENS:-261000} --budget ${BUDGET:-15.9} \
+        --chunk ${CHUNK:-8192} ${SLOTS:+--slots $SLOTS} > "$O/e2e48.json" 2> "$L/e2e48.err"
+      echo "e2e48 rc=$?"; grep -v "^prefill" "$L/e2e48.err" | tail -15 | cut -c1-300; grep "^prefill" "$L/e2e48.err" | awk 'NR % 8 == 1' | tail -8; tail -2 "$L/e2e48.err"; cat "$O/e2e48.json" ;;
     pdl48)
       CTX=${CTX:-4k,255k} DENSE=nvfp4 ARMS="resident;resident:pdl=0" bash benchmarks/device_bench48.sh resident ;;
   esac
