@@ -73,6 +73,7 @@ PY
       gpu nvfp4_gemv $T $g/test_nvfp4_gemv_gpu.py
       gpu topk $T $g/test_qsa_topk_gpu.py
       gpu gdn $T $g/test_gdn_decode_gpu.py
+      gpu pdl $T $g/test_pdl_gpu.py
       ( timeout 200 python3 -m pytest -m gpu -q -x -vv -p no:cacheprovider $g/test_ple_gather_gpu.py > $L/ple.log 2>&1
         echo "ple rc=$?"; FTCHAT_PDL=0 timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider $g/test_ple_gather_gpu.py -k pinned_and_gathered > $L/ple_nopdl.log 2>&1
         echo "ple without PDL rc=$?: $(tail -1 $L/ple_nopdl.log)" ) &
