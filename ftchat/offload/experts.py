@@ -1,8 +1,11 @@
-"""Routed expert compute that reads weights straight from packed rows by slot id (torch path).
+"""Routed expert compute that reads weights straight from packed rows by slot id.
 
-This is the CPU path and, on CUDA, the path of prefill-sized batches; it follows transformers' order
-(experts accumulated in ascending expert-id order, in the activation dtype), so the result does
-not depend on which slot holds an expert. The Triton decode kernels accumulate in fp32 instead;
+`routed_experts` is the path of prefill-sized batches (and of every batch on CPU): on CUDA with
+bf16 activations the grouped Triton GEMM (`moe_prefill.routed_experts_grouped`: three kernels a
+layer and no host sync, fp32 sums, its tolerance in that module), else `routed_experts_torch`, the
+torch path and the reference: transformers' order and roundings (experts accumulated in
+ascending expert-id order, in the activation dtype), one GEMM pair per expert. Neither result
+depends on which slot holds an expert. The Triton decode kernels accumulate in fp32 as well;
 their reference is `expert_kernels.routed_experts_decode_ref`.
 Legend: T tokens, D hidden, K top-k, I expert inner dim, R row bytes.
 """
@@ -13,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import nvfp4_dequant
+from ftchat.kernels import moe_prefill, nvfp4_dequant, use_fused
 from ftchat.model.rows import RowLayout
 
 
@@ -37,6 +40,16 @@ def expert_weights(rows: Tensor, layout: RowLayout, dtype: torch.dtype) -> tuple
 
 def routed_experts(x: Tensor, rows: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
                    weights: Tensor) -> Tensor:
+    """sum_k weights[t, k] * expert(ids[t, k])(x[t]) with expert weights read from rows[slots]:
+    the grouped Triton kernels on CUDA (fused kernels on, bf16 x, NVFP4 or bf16 rows), else
+    `routed_experts_torch`. x [T, D]; rows [S, R] uint8; slots, ids, weights [T, K]."""
+    if use_fused(x) and moe_prefill.supports(x, layout):
+        return moe_prefill.routed_experts_grouped(x, rows, layout, slots, ids, weights)
+    return routed_experts_torch(x, rows, layout, slots, ids, weights)
+
+
+def routed_experts_torch(x: Tensor, rows: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
+                         weights: Tensor) -> Tensor:
     """sum_k weights[t, k] * expert(ids[t, k])(x[t]) with expert weights read from rows[slots].
 
     x [T, D]; rows [S, R] uint8 (the slot bank); slots, ids, weights [T, K].
