@@ -83,7 +83,7 @@ PY
       grep -B5 -A25 "FAILED\|Error\|assert" $L/gpu_*.log | head -120 >> "$O/fixes.log"
       grep -B30 -A10 "Error\|assert" $L/ple.log | head -100 >> "$O/fixes.log"; tail -3 $L/ple.log >> "$O/fixes.log" ;;
     moe)
-      timeout ${MOE_S:-200} python3 benchmarks/bench_moe_prefill.py > "$O/bench_moe_prefill.json" 2> "$L/moe.err"
+      timeout ${MOE_S:-200} python3 benchmarks/bench_moe_prefill.py ${MOE_ARGS:---sweep} > "$O/bench_moe_prefill.json" 2> "$L/moe.err"
       echo "bench_moe_prefill rc=$?"; tail -20 "$L/moe.err" | cut -c1-200; cut -c1-3000 "$O/bench_moe_prefill.json" ;;
     offload48)
       CTX=${CTX:-32k,255k} DENSE=nvfp4 bash benchmarks/device_bench48.sh offload ;;
