@@ -184,8 +184,12 @@ def test_host_table_is_pinned_and_gathered_by_the_kernel(models, kernel_calls):
     assert t.data.device.type == "cpu" and isinstance(dev.weights[NAME], torch.Tensor)
     if DEVICE == "cuda":
         assert t.data.is_pinned() and dev.weights[NAME].is_cuda
-    (tok_h, log_h), (tok_d, log_d) = _run(host, False), _run(dev, False)
-    assert len(kernel_calls) == len(PROMPTS) + STEPS - 1  # each prefill, each decode step
+    tok_h, log_h = _run(host, False)
+    # the n-gram rows (16 heads a token) of each prefill and each decode step; on CUDA the token
+    # embedding (one head, also a pinned host table) is gathered by the same kernel
+    ngram = [c for c in kernel_calls if c[-1] > 1]
+    assert len(ngram) == len(PROMPTS) + STEPS - 1
+    tok_d, log_d = _run(dev, False)
     assert tok_h == tok_d and torch.equal(_bits(log_h), _bits(log_d))
 
 
