@@ -605,11 +605,13 @@ def budget_slots(m: LoadedModel, settings: Settings) -> int:
 
 def cap_process(device: torch.device, budget: int) -> None:
     """Every allocation of the caching allocator (graph pools included) stays inside `budget`."""
-    total = torch.cuda.get_device_properties(device).total_memory
+    # "cuda" names the current device; set_per_process_memory_fraction wants its index
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
     if budget > total:
         raise FtchatError(f"--vram-budget {budget / GIB:.4g} GiB: more than the device's "
                           f"{total / GIB:.1f} GiB")
-    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    torch.cuda.set_per_process_memory_fraction(budget / total, index)
 
 
 PEAK_KEYS = ("vram_peak_allocated_mib", "vram_peak_reserved_mib", "vram_budget_mib")

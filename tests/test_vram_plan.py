@@ -314,11 +314,15 @@ def test_cap_process_sets_the_fraction_of_the_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
                         lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     vp.cap_process(torch.device("cuda:0"), 16 * vp.GIB)
-    assert calls == [(0.25, torch.device("cuda:0"))]
+    # "cuda" (what --device cuda resolves to) has no index: torch's setter refuses that, so the
+    # current device's index is passed (the H200 run failed here before)
+    vp.cap_process(torch.device("cuda"), 16 * vp.GIB)
+    assert calls == [(0.25, 0), (0.25, 3)]
     with pytest.raises(vp.FtchatError, match="--vram-budget 80 GiB: more than the device's 64.0"):
         vp.cap_process(torch.device("cuda:0"), 80 * vp.GIB)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_bench_prints_the_peak_against_the_budget(tiny_nvfp4, capsys, monkeypatch):
