@@ -91,7 +91,7 @@ PY
       CHUNKS=${CHUNKS:-8192} LENGTHS=${LENGTHS:-32768} DENSE=nvfp4 timeout ${PREFILL_S:-300} bash benchmarks/device_prefill48.sh ;;
     e2e)
       timeout ${E2E_S:-500} python3 benchmarks/e2e48.py --tokens ${TOKENS:-261000} --budget ${BUDGET:-15.9} \
-        --chunk ${CHUNK:-8192} ${SLOTS:+--slots $SLOTS} > "$O/e2e48.json" 2> "$L/e2e48.err"
+        --chunk ${CHUNK:-8192} ${SLOTS:+--slots $SLOTS} ${CONTEXT:+--context $CONTEXT} > "$O/e2e48.json" 2> "$L/e2e48.err"
       echo "e2e48 rc=$?"; grep -v "^prefill" "$L/e2e48.err" | tail -15 | cut -c1-300; grep "^prefill" "$L/e2e48.err" | awk 'NR % 8 == 1' | tail -8; tail -2 "$L/e2e48.err"; cat "$O/e2e48.json" ;;
     pdl48)
       CTX=${CTX:-4k,255k} DENSE=nvfp4 ARMS="resident;resident:pdl=0" bash benchmarks/device_bench48.sh resident ;;

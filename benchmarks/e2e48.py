@@ -25,6 +25,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=261_000, help="prompt tokens")
     p.add_argument("--new", type=int, default=64, help="tokens to decode after the prompt")
+    p.add_argument("--context", type=int, default=None,
+                   help="KV capacity (default: the prompt, the new tokens and a margin)")
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--budget", type=float, default=15.9, help="--vram-budget GiB (0: none)")
     p.add_argument("--chunk", type=int, default=8192, help="--prefill-chunk")
@@ -40,7 +42,7 @@ def main() -> int:
     from ftchat.model.synth_memory import synthetic_model
     from ftchat.settings import Settings
 
-    context = args.tokens + args.new + 8
+    context = args.context or args.tokens + args.new + 8
     s = Settings(device=args.device, context=context, prefill_chunk=args.chunk, slots=args.slots,
                  kv_cache_dtype=args.kv, vram_budget_gib=args.budget or None, prefetch="on")
     a, layout = vp.synthetic_inputs(args.preset, args.layers, "nvfp4-modelopt", args.dense)
