@@ -8,6 +8,8 @@
 #   moe    the grouped-GEMM prefill experts: bench_moe_prefill.py (old torch path vs the kernels)
 #   offload48  decode at 48 layers, 1,650 slots: resident / off / on / on:budget=4 (CTX 32k,255k)
 #   prefill48  prefill tok/s at 48 layers, 1,650 slots (CHUNKS, LENGTHS; dense NVFP4)
+#   last   the session's last changes: the PLE test, the prefill paths (identity grid, grouped
+#          experts, the tiny model's GPU tests), side by side, 150 s
 #   e2e    a 261,000-token prompt prefilled and decoded at 48 layers under --vram-budget 15.9
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -82,6 +84,15 @@ PY
       for f in $L/gpu_*.log; do echo "=== $f"; grep -E "FAILED|Error|passed|failed" "$f" | tail -15; done > "$O/fixes.log"
       grep -B5 -A25 "FAILED\|Error\|assert" $L/gpu_*.log | head -120 >> "$O/fixes.log"
       grep -B30 -A10 "Error\|assert" $L/ple.log | head -100 >> "$O/fixes.log"; tail -3 $L/ple.log >> "$O/fixes.log" ;;
+    last)
+      g=tests/gpu
+      gpu ple 150 $g/test_ple_gather_gpu.py
+      gpu offload 150 $g/test_offload_gpu.py
+      gpu moe_prefill 150 $g/test_moe_prefill_gpu.py
+      gpu kernels 150 $g/test_kernels_gpu.py $g/test_pdl_gpu.py
+      wait
+      for f in $L/gpu_*.log; do echo "=== $f"; grep -E "FAILED|Error|passed|failed" "$f" | tail -8; done > "$O/last.log"
+      grep -B5 -A25 "FAILED\|Error" $L/gpu_*.log | head -80 >> "$O/last.log" ;;
     moe)
       timeout ${MOE_S:-200} python3 benchmarks/bench_moe_prefill.py ${MOE_ARGS:---sweep} > "$O/bench_moe_prefill.json" 2> "$L/moe.err"
       echo "bench_moe_prefill rc=$?"; tail -20 "$L/moe.err" | cut -c1-200; cut -c1-3000 "$O/bench_moe_prefill.json" ;;
