@@ -178,6 +178,8 @@ def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tenso
     """F.linear(x, w) = x @ w.T for x [..., K] (rows = x.numel() / K <= GEMV_MAX_ROWS) and w
     [N, K] contiguous, both bf16 or both fp32; returns [..., N] in x's dtype (fp32 accumulation,
     rounded once). One launch (split-K reduces in the same kernel); no host sync.
+    w must be a weight, written by no kernel still in flight: with PDL its first tile is read
+    before the previous kernel has finished.
     """
     N, K = w.shape
     assert x.shape[-1] == K and w.is_contiguous(), "w must be [N, K] contiguous, x [..., K]"

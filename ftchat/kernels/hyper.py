@@ -268,7 +268,8 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
             input_mix_weight_up.weight [C, L], block_inject_weight.weight [hc, C] (if inject).
         y, s: [..., D] block output and [..., hc] its injection weights, R's dtype; or None.
     Returns R' [..., C] (a new tensor when y is given), x [..., D] and s_new [..., hc] (None
-    without inject), all in R's dtype. Two kernel launches; no host sync.
+    without inject), all in R's dtype. Two kernel launches; no host sync. With PDL the weight
+    tiles are read before the previous kernel has finished: no kernel may still be writing w.
     """
     C = R.shape[-1]
     D = C // hc

@@ -464,6 +464,8 @@ def nvfp4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
         tail: [Nt, K] contiguous bf16 or fp32 rows after the NVFP4 ones, or None.
         tiles: tile sizes; None: `default_tiles`.
     Returns [..., N4 + Nt] in x's dtype: fp32 accumulation, rounded once (module docstring).
+    packed, scale and tail are weights, written by no kernel still in flight: with PDL the first
+    chunk is read before the previous kernel has finished.
     """
     assert packed.dim() == 2, f"packed [N4, K/2], not {tuple(packed.shape)}"
     N4, half = packed.shape
