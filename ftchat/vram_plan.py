@@ -4,7 +4,9 @@ tensor is loaded, and how many expert slots fit in what a budget leaves.
 
 Exact items are dtype x shape of the tensors the loader, DecodeState and the offload backend
 create (tests/test_vram_plan.py checks them against real allocations of a tiny model). Estimates
-(activations, workspaces, CUDA graph pools) say so and give their formula; they are not measured.
+(activations, workspaces, CUDA graph pools, the allocator's slack) say so and give their
+formula; the prefill's are walked through the code and checked against the peaks measured on
+the CPU (tests/test_prefill_memory.py), the allocator's slack is calibrated on the H200.
 
 Legend: B rows, L KV capacity (context), T prefill tokens, V vocab, H hidden, E experts, K top-k,
 I expert inner, R row bytes, S slots, N = layers x E, act = bytes of the model dtype.
@@ -39,6 +41,19 @@ DEFAULT_CONTEXT = 32768  # KV capacity when --context is not given (and the mode
 # GEMM: compute, the predictor, and the side stream of the graph warm-up.
 CUBLAS_WORKSPACE_BYTES = 32 * MIB
 GEMM_STREAMS = 3
+# The CUDA caching allocator's slack, as a fraction of the largest block of transients (a
+# prefill block, or the decode step's largest term): memory it holds in free cached blocks that
+# the next requests cannot use whole. Why it scales with the transients, not with the weights,
+# KV or slot bank (allocated once, before them): what outlives a block (the residual stream R,
+# h, y) is carved from the segments the previous block's transients left cached, and pins
+# them; the next block's largest requests then need new segments while those stay reserved
+# (partly free). An estimate from one H200 run (docs/performance.md, session 9; expandable
+# segments on, chunk 2048, 700 slots): peak reserved - peak allocated = 688 MiB, 0.59 of that
+# run's largest block (the fp8 attention chunk, 1,172 MiB planned at the run's context); the
+# 4,096-token run without expandable segments ran out of memory with 0.98 GiB reserved but
+# free, ~0.5 of its largest block then (the unblocked GDN prefill). Re-measure when the
+# allocator settings or the prefill's shapes change.
+ALLOCATOR_SLACK = 0.6
 PROMPT_BOUND = 512  # verify's cold prompts (a nonce and a short question) are far shorter
 SHARD = ".ngram_embedding.shard_"
 DENSE_KINDS = ("embedding", "lm_head", "GDN projections", "attention projections",
@@ -278,7 +293,7 @@ def _dequant_bytes(layout: RowLayout, act: int, a: ModelArgs, experts: int, T: i
     rows = experts * layout.nbytes  # the rows gathered from the bank (a copy)
     pairs = T * a.num_experts_per_tok * H * act
     if layout.kind == "nvfp4":
-        fp32 = 0 if cuda else experts * 2 * I * H * 24
+        fp32 = 0 if cuda else experts * 2 * I * H * 32
         return rows + fp32 + experts * 3 * I * H * act + pairs
     return rows + (0 if layout.dtype.itemsize == act else experts * 3 * I * H * act) + pairs
 
@@ -308,40 +323,194 @@ def decode_workspace(a: ModelArgs, layout: RowLayout, act: int, B: int, L: int,
     }
 
 
-def _prefill_attention(a: ModelArgs, act: int, T: int, L: int, cuda: bool) -> int:
-    """Peak bytes of one attention layer's prefill of T > 1 queries at KV length L."""
+# ===== the prefill: each block of a layer at its peak (docs/design.md 4.9) =====
+#
+# Bytes per token (T of one sequence) or per query chunk of the tensors a block's torch code
+# holds at its peak, walked through that code (the files named). tests/test_prefill_memory.py
+# measures the same peaks on the CPU (the profiler's allocation events) and checks the plan
+# covers them. act = bytes of the model dtype; fp32 intermediates are 4 B.
+
+
+def _rms_norm_peak(n: int, act: int) -> int:
+    """layers.rms_norm of n elements at its peak: x.float(), x * rsqrt(..), that times
+    (1 + w) (fp32 each, the first two kept as locals) and the cast to the model dtype."""
+    return n * (12 + act)
+
+
+def _stream(a: ModelArgs, act: int) -> int:
+    """Per token: what qwen4_exp.forward holds across every block of a layer: R [hc*D], the
+    block's input h and the last block's output y (its write rides in the next read), the
+    embedding x (kept), s [hc]; the positions and the ids on the device (int64)."""
+    D = a.hidden_size
+    return act * (a.hc_count * D + 3 * D + a.hc_count) + 16
+
+
+def _hc_mix(a: ModelArgs, act: int) -> int:
+    """Per token above the stream: hc_write_read_ref, the write R' = R + s*y (the caller's R
+    alive until it returns) then RMSNorm(R') in fp32 (hc_read_ref)."""
+    hcD = a.hc_count * a.hidden_size
+    return act * hcD + _rms_norm_peak(hcD, act)
+
+
+def _ple_block(a: ModelArgs, act: int) -> int:
+    """Per token above the stream: ple.ple_layer at the RMSNorm of G (key, query and G alive,
+    [hc*D] each), with its table rows (int64 [nh]), E [ple_embed_dim] and value [D]."""
+    hcD, nh = a.hc_count * a.hidden_size, (a.ngram_size - 1) * a.heads_per_ngram
+    return 3 * act * hcD + _rms_norm_peak(hcD, act) + act * (a.ple_embed_dim + a.hidden_size) \
+        + 8 * nh
+
+
+def gdn_block_bytes(a: ModelArgs, act: int, t: int) -> int:
+    """Peak bytes of gdn.gdn_core_block's prefill of t tokens (t padded to whole chunks), above
+    its inputs: the max over its steps. Per token and value head, fp32: the conv output [conv
+    dim] (act), q, k [dk], v [dv] heads first; in delta_rule_block the decay and L [C], kb [dk],
+    rhs and the solve's output [dv + dk] each, k_decay [dk], the states [dk dv / C], q e^gamma
+    [dk], the output [dv], q kᵀ [C] and its product [dv]; the gated norm's fp32 [dv] copies."""
+    from ftchat.model import gdn
+
+    Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
+                      a.linear_value_head_dim)
+    C = gdn.CHUNK
+    t = -(-t // C) * C
+    conv = act * (2 * Hk * dk + Hv * dv)  # per token
+    qkv = 4 * Hv * (2 * dk + dv)
+    f = 4 * Hv  # one fp32 value per token and value head
+    small = 5 * f  # g, beta (fp32), gamma, e^gamma, the exp of last - gamma
+    rule = f * max(3 * C + dk,  # kb kᵀ and its product with the decay; L
+                   2 * C + 2 * dk + dv,  # rhs filled (kb still alive)
+                   2 * C + 2 * (dv + dk),  # the solve: rhs and its output
+                   C + dv + 2 * dk + dk * dv // C,  # chunk_states: k_decay, the states
+                   C + 2 * dv + 2 * dk + dk * dv // C,  # (q e^gamma) @ states
+                   2 * dv + dk + 3 * C)  # q kᵀ times the decay
+    steps = (3 * conv,  # causal_conv: the window, the conv output, its silu
+             2 * conv,  # the padding copy of the conv output
+             conv + 4 * Hv * 3 * dk,  # l2norm of k: q done, k's fp32 copy and its square
+             conv + qkv,  # v's fp32 copy: the conv output is freed after it
+             qkv + small + rule,  # delta_rule_block
+             f * dv * 4 + act * Hv * dv * 3)  # gated_rms_norm: o, x.float(), x * r, z.float()
+    return t * max(steps) + 4 * Hv * dk * dv  # + chunk_states' running state
+
+
+def gdn_prefill_bytes(a: ModelArgs, act: int, T: int, dense_nvfp4: bool = False,
+                      cuda: bool = True) -> int:
+    """Peak bytes of gdn.gdn_mixer_ref's prefill of T > 1 tokens above its input x: the four
+    projections u, z, b, a (kept until out_proj), the core's output [T, Hv*dv] when it runs in
+    more than one sub-block, and one sub-block's transients (`gdn_block_bytes`, at most
+    GDN_SUBBLOCK tokens: bounded whatever T); or out_proj's moment (the core output and y).
+    With the GDN qkv / z kept in NVFP4 (dense_nvfp4) each projection's weight is dequantized
+    for the call (gdn.dense: one kernel to the model dtype on CUDA; on the CPU nvfp4.dequantize's
+    int32 codes and fp32 values, scales and products, ~30 B an element measured: 32 planned)."""
+    from ftchat.model import gdn
+
+    D, Hv, dv = a.hidden_size, a.linear_num_value_heads, a.linear_value_head_dim
+    conv_dim = 2 * a.linear_num_key_heads * a.linear_key_head_dim + Hv * dv
+    proj = T * act * (conv_dim + Hv * dv + 2 * Hv)
+    core_out = T * act * Hv * dv
+    weight = 0
+    if dense_nvfp4:
+        weight = conv_dim * D * (act if cuda else 32 + act)
+    sub = min(T, gdn.GDN_SUBBLOCK)
+    return proj + max(weight,
+                      (core_out if T > gdn.GDN_SUBBLOCK else 0) + gdn_block_bytes(a, act, sub),
+                      core_out + T * act * D)
+
+
+def _prefill_attention(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
+                       fp8: bool = False) -> int:
+    """Peak bytes of qsa.attention_mixer_ref's prefill of T > 1 queries at KV length L above
+    its input: the projections (qg [2 Hq hd], k, v, iqk) kept to the end, then the largest of
+    q's RMSNorm (fp32), the attention with q, the gate (a copy: flatten of a strided view) and
+    iq alive, and the gate's product. The attention: causal over L when every complete block
+    is selected (the K/V dequantized when fp8), else the sparse prefill in chunks of
+    qsa.prefill_query_chunk
+    queries, with the chunk outputs so far (then their concatenation) and, per query of a
+    chunk, the largest of its block scores (fp32 [Hi, N] twice, the sum; the cached k̄ in fp32
+    once a chunk), the gather of its S tokens' K/V (fp8: both tensors' codes, the K
+    dequantized, the V's fp32 value and product; else the K and V gathered) and attend_rows
+    (the K/V, the reshaped copy matmul makes of one, the scores: act twice, softmax fp32),
+    plus the previous chunk's K/V (still bound while the next is gathered) and the indices."""
     from ftchat.model import qsa
 
-    Hq, Hkv, hd, Hi, r = (a.num_attention_heads, a.num_key_value_heads, a.head_dim,
-                          a.indexer_n_heads, a.indexer_compress_ratio)
+    Hq, Hkv, hd, Hi, di, r = (a.num_attention_heads, a.num_key_value_heads, a.head_dim,
+                              a.indexer_n_heads, a.indexer_head_dim, a.indexer_compress_ratio)
     top, N = a.indexer_budget // r, L // r
-    causal = T * L + 2 * Hq * L * hd * act + Hq * T * L * (2 * act + 4)  # `attend` over [T, L]
+    proj = T * act * (2 * Hq * hd + 2 * Hkv * hd + (Hi + 1) * di)
+    qi = T * act * (2 * Hq * hd + Hi * di)  # q and iq (normed, roped), the gate's copy
+    o = T * act * Hq * hd
+    kvh = Hkv * hd
     if N <= top:  # every complete block selected: plain causal attention over L
-        return causal
-    # the sparse prefill, in query chunks
-    tq, S = qsa.prefill_query_chunk(T, L, a, "cuda" if cuda else "cpu"), top * r + r - 1
-    per_query = (N * (2 * Hi * 4 + 4 + 1)  # block scores and their ReLU, fp32; completeness
-                 + S * (2 * Hkv * hd * act + Hq * (2 * act + 4) + 9))  # K/V gathered, scores
-    return tq * per_query + 2 * T * Hq * hd * act  # + the chunk outputs and their concatenation
+        dequant = L * kvh * (8 + 2 * act) if fp8 else 0  # K, V dequantized (slices: no gather)
+        attn = T * L + dequant + 2 * Hq * L * hd * act + Hq * T * L * (2 * act + 4)
+    else:  # the sparse prefill, in query chunks
+        tq = qsa.prefill_query_chunk(T, L, a, "cuda" if cuda else "cpu")
+        S = top * r + r - 1
+        gather = kvh * (10 + act) if fp8 else 2 * act * kvh
+        per_query = S * (2 * act * kvh + 17) + max(  # a chunk's K/V bound, the indices
+            N * (2 * Hi * 4 + 4 + 4 + 1),  # select_blocks_rows
+            S * gather,  # gather_kv
+            S * (act * kvh + Hq * (2 * act + 4)))  # attend_rows
+        attn = tq * per_query + 4 * N * di + o
+    return proj + max(T * _rms_norm_peak(Hq * hd, act),  # q's RMSNorm
+                      qi + max(attn, 2 * o),  # the chunks; their concatenation
+                      qi + 3 * o + T * act * a.hidden_size)  # o, sigmoid(gate), o * it, y
+
+
+def _moe_prefill(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, T: int, cuda: bool
+                 ) -> tuple[int, str]:
+    """Peak bytes of qwen4_exp.moe_block's prefill of T tokens above its input, and how the
+    routed experts run. Routing (route_ref: logits and fp32 probabilities [T, E], then ids
+    int64, weights, the backend's slot ids int32 [T, K] kept) and the shared expert's output
+    [T, D] (its swiglu temporaries before) stay for the routed experts. Those: on CUDA the
+    grouped Triton kernels (kernels/moe_prefill.py, when `supports` takes the call): the
+    split-parity x copy [T, D], h [T*K, I] and y [T*K, D] bf16, the sorted pair order int64
+    and the token / pair ids int32 [T*K], the per-token order and the output [T, D]; else the
+    torch path (offload/experts.py: `_dequant_bytes`, EXPERT_GROUP experts at a time)."""
+    from ftchat.kernels import moe_prefill
+
+    act, D, E, K = dtype.itemsize, a.hidden_size, a.num_experts, a.num_experts_per_tok
+    I, Is = a.moe_intermediate_size, a.shared_expert_intermediate_size
+    kept = T * (K * (8 + act + 4) + act * D)  # ids, weights, slots; the shared expert's output
+    x = torch.empty(0, D, dtype=dtype, device="meta")
+    if cuda and moe_prefill.supports(x, layout):
+        parity = act * D if layout.kind == "nvfp4" else 0
+        routed = T * (parity + K * (2 * I + 2 * D + 16) + K * 20 + 2 * D)
+        how = "grouped Triton kernels"
+    else:
+        U = min(E, T * K)
+        routed = _dequant_bytes(layout, act, a, min(U, EXPERT_GROUP), T, cuda) + T * (
+            K * 40 + 2 * act * D)  # + the sort, the per-token order, the sum and its term
+        how = f"torch path, {EXPERT_GROUP} experts at a time"
+    return max(T * E * (act + 4),  # routing
+               T * (K * (8 + act + 4)) + T * act * (3 * Is + D),  # shared expert
+               kept + routed,
+               kept + 2 * T * act * D), how  # the routed and shared outputs summed
 
 
 def prefill_workspace(a: ModelArgs, layout: RowLayout, act: int, T: int, L: int,
-                      fused: bool) -> dict[str, int]:
+                      fused: bool, dense_nvfp4: bool = False, fp8: bool = False,
+                      dtype: torch.dtype | None = None) -> dict[str, int]:
     """Transient bytes of one prefill call of T tokens of one sequence ending at KV length L
-    (an estimate); T == 1 is the decode path."""
+    (an estimate); T == 1 is the decode path. The largest block of a layer (one block's
+    transients at a time) on top of what forward holds across the blocks (`_stream`), and the
+    last position's logits [1, V] (Decoder.prefill; the sampler's copies come after the
+    layers' transients are freed). dtype: the model dtype (None: bf16 for act 2, else fp32);
+    fp8: K/V stored in fp8; dense_nvfp4: the GDN qkv / z kept in NVFP4."""
+    from ftchat.model import gdn
+
     if T == 1:
         return decode_workspace(a, layout, act, 1, L, fused)
-    V, hcD = a.vocab_size, a.hc_count * a.hidden_size
-    Hk, Hv, dk = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim
-    U = min(a.num_experts, T * a.num_experts_per_tok)
-    layers = {"attention": _prefill_attention(a, act, T, L, fused),
-              f"routed experts of {U} ({layout.kind}, torch path, {EXPERT_GROUP} at a time)":
-                  _dequant_bytes(layout, act, a, min(U, EXPERT_GROUP), T, fused),
-              "GDN chunked": 16 * T * (2 * Hk * dk + 2 * Hv * dk)}  # fp32 chunk tensors
-    top = max(layers, key=layers.get)  # one layer's transients at a time
-    # logits: [1, V], the last position's (Decoder.prefill); the sampler's fp32 / int64 rows of
-    # them come after the layers' transients are freed, so they do not add to this peak
-    return {top: layers[top], "residual": 6 * T * hcD * act, "logits": V * act}
+    dtype = dtype or (torch.bfloat16 if act == 2 else torch.float32)
+    moe, how = _moe_prefill(a, layout, dtype, T, fused)
+    blocks = {"hyper-connection mix (fp32 RMSNorm)": T * _hc_mix(a, act),
+              "attention": _prefill_attention(a, act, T, L, fused, fp8),
+              f"GDN (sub-blocks of {gdn.GDN_SUBBLOCK:,})": gdn_prefill_bytes(
+                  a, act, T, dense_nvfp4, fused),
+              f"MoE ({layout.kind} experts, {how})": moe}
+    if a.ple_layer_ids:
+        blocks["PLE layer"] = T * _ple_block(a, act)
+    top = max(blocks, key=blocks.get)
+    return {top: blocks[top], "residual stream": T * _stream(a, act),
+            "logits": a.vocab_size * act}
 
 
 def _human(n: float) -> str:
@@ -358,7 +527,8 @@ def workspace_items(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Work
     act, L = dtype.itemsize, w.context
     T = min(w.prefill_tokens, L)
     dec = decode_workspace(a, layout, act, w.batch, L, w.cuda)
-    pre = prefill_workspace(a, layout, act, T, L, w.cuda)
+    pre = prefill_workspace(a, layout, act, T, L, w.cuda, w.dense_nvfp4,
+                            w.kv_cache_dtype == "fp8", dtype)
     d, p = sum(dec.values()), sum(pre.values())
     cublas = CUBLAS_WORKSPACE_BYTES * GEMM_STREAMS if w.cuda else 0
     top = max(pre, key=pre.get)
@@ -370,10 +540,17 @@ def workspace_items(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Work
                           "(the decode workspace of its rows)", exact=False, grows="context"))
     items.append(Item(
         "activations and workspaces (estimate)", max(d, p) + cublas,
-        f"max(prefill of {T:,} tokens at {L:,}: {_human(p)}, largest term {top} "
+        f"max(prefill of {T:,} tokens at {L:,}: {_human(p)}, largest block {top} "
         f"{_human(pre[top])}; decode step of {w.batch} row(s): {_human(d)})"
         + (f" + cuBLAS {GEMM_STREAMS} x {CUBLAS_WORKSPACE_BYTES // MIB} MiB (assumed)"
            if cublas else ""), exact=False, grows="context"))
+    if w.cuda:
+        block = max(pre[top], max(dec.values()))
+        items.append(Item(
+            "allocator slack (estimate)", int(ALLOCATOR_SLACK * block),
+            f"{ALLOCATOR_SLACK:g} x the largest block of transients ({_human(block)}): free "
+            "cached blocks the caching allocator cannot hand out whole (measured 0.59 on the "
+            "H200; vram_plan.ALLOCATOR_SLACK)", exact=False, grows="context"))
     return items
 
 

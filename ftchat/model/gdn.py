@@ -25,6 +25,9 @@ from ftchat.model.layers import fuse_layers, fuse_rows, gated_rms_norm, l2norm
 from ftchat.model.nvfp4 import Nvfp4Weight
 
 CHUNK = 64
+# Tokens of a prefill the chunked rule forms at once (a multiple of CHUNK): the GDN prefill's
+# transients are bounded by it, not by the prefill chunk (ftchat/vram_plan.py `gdn_prefill_bytes`)
+GDN_SUBBLOCK = 1024
 PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 FUSED = "in_proj_fused.weight"  # [N, D]; the four PROJECTIONS entries are row views of it
 FUSED_NVFP4 = "in_proj_qkvz.nvfp4"  # Nvfp4Weight [C + Hv*dv, D]: qkv and z kept in NVFP4, as views
@@ -48,14 +51,43 @@ def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S:
     return (S * q[..., None]).sum(-2)  # [B, Hv, dv]
 
 
-def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor) -> Tensor:
+def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
+                       sub: int | None = None) -> Tensor:
     """T tokens in chunks of 64: q, k [B, Hv, T, dk], v [B, Hv, T, dv], g, beta [B, Hv, T] fp32.
 
     Equals T applications of delta_rule_step up to rounding; S [B, Hv, dk, dv] updated in place.
-    The work inside the chunks runs for all chunks at once; only the state passes from chunk to
-    chunk, three small batched ops each (`chunk_states`).
+    The tokens run in sub-blocks of `sub` (default GDN_SUBBLOCK, a multiple of 64), S passing
+    from one to the next: inside a sub-block the work of its chunks runs for all of them at once
+    (`delta_rule_block`), so its [.., n, C, C] and [.., n, dk, dv] tensors exist for one
+    sub-block at a time whatever T is. Sub-blocks end on chunk bounds, so the math is the one
+    chunked rule for any `sub` (tests/test_gdn_subblocks.py: the bits do not move on the CPU).
+    """
+    sub = sub or GDN_SUBBLOCK
+    assert sub % CHUNK == 0, f"GDN sub-block {sub} is not a multiple of {CHUNK}"
+    T = k.shape[2]
+    if T <= sub:
+        return delta_rule_block(q, k, v, g, beta, S)
+    out = v.new_empty(v.shape)
+    for t0 in range(0, T, sub):
+        p = slice(t0, t0 + sub)
+        out[:, :, p] = delta_rule_block(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p],
+                                        beta[:, :, p], S)
+    return out
+
+
+def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor
+                     ) -> Tensor:
+    """`delta_rule_chunked` of one sub-block: its chunks' work at once, only the state passes
+    from chunk to chunk, three small batched ops each (`chunk_states`). Shapes as there.
+
+    Memory (E = the bytes of one fp32 [B, Hv, T, dk] tensor; with dk = dv, C = 64 a [.., C, C]
+    tensor is E / 2 and the chunk states 2 E): besides the inputs, at most 6.5 E are live at
+    once (the decay, the solve's [U | Wk] 2 E, the states 2 E, q e^gamma and its product with
+    the states), plus 3 E of padded copies when T is not a multiple of 64; intermediates are
+    freed as soon as they are used and V' overwrites U.
     """
     B, H, T, dk = k.shape
+    dv = v.shape[-1]
     pad = (-T) % CHUNK
     if pad:  # padded steps have beta = 0, k = 0, g = 0: they neither decay nor write
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
@@ -70,14 +102,25 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     e_gamma = _exp_(gamma.clone())  # [B, H, n, C]
     kb = k * beta[..., None]
     L = ((kb @ k.transpose(-1, -2)) * decay).tril_(-1)  # [B, H, n, C, C] strictly lower
-    # (I + L)^-1 of both right-hand sides in one solve; unitriangular: the unit diagonal is implied
-    rhs = torch.cat([v * beta[..., None], kb * e_gamma[..., None]], dim=-1)
-    U, Wk = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True).split(
-        [v.shape[-1], dk], dim=-1)  # [B, H, n, C, dv], [B, H, n, C, dk]
+    # (I + L)^-1 of both right-hand sides in one solve; unitriangular: the unit diagonal is
+    # implied. rhs = [v beta | kb e^gamma] (written in place: no temporaries). Not solved in
+    # place: out=rhs solves the transposed system (rhs is row-major), other bits
+    rhs = v.new_empty(B, H, n, CHUNK, dv + dk)
+    torch.mul(v, beta[..., None], out=rhs[..., :dv])
+    torch.mul(kb, e_gamma[..., None], out=rhs[..., dv:])
+    del kb
+    X = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
+    del L, rhs
+    U, Wk = X.split([dv, dk], dim=-1)  # [B, H, n, C, dv], [B, H, n, C, dk]
     last = gamma[..., -1:]  # [B, H, n, 1]
     k_decay = k * _exp_(last - gamma)[..., None]  # k_t e^(gamma_last - gamma_t)
-    states, v_new = chunk_states(S, _exp_(last.clone()), k_decay, U, Wk)  # [B, H, n, dk, dv]
-    out = (q * e_gamma[..., None]) @ states + ((q @ k.transpose(-1, -2)) * decay) @ v_new
+    states = chunk_states(S, _exp_(last.clone()), k_decay, U, Wk)  # [B, H, n, dk, dv]; U <- V'
+    del k_decay
+    out = (q * e_gamma[..., None]) @ states
+    del states
+    qk = (q @ k.transpose(-1, -2)) * decay
+    del decay
+    out += qk @ U  # U holds V' now
     return out.flatten(2, 3)[:, :, :T]
 
 
@@ -91,27 +134,26 @@ def _exp_(x: Tensor) -> Tensor:
     return x.clamp_(min=EXP_FLOOR).exp_()
 
 
-def chunk_states(S: Tensor, e: Tensor, kd: Tensor, U: Tensor, Wk: Tensor
-                 ) -> tuple[Tensor, Tensor]:
-    """The state entering each chunk [B, H, n, dk, dv] and the chunks' corrected values
-    v' = U - Wk S [B, H, n, C, dv]; S [B, H, dk, dv] advances past the last chunk.
+def chunk_states(S: Tensor, e: Tensor, kd: Tensor, U: Tensor, Wk: Tensor) -> Tensor:
+    """The state entering each chunk [B, H, n, dk, dv]; U [B, H, n, C, dv] becomes the chunks'
+    corrected values v' = U - Wk S (in place); S [B, H, dk, dv] advances past the last chunk.
 
     Per chunk: v' = U - Wk S, then S <- e S + kdᵀ v', with e [B, H, n, 1] the chunk's total decay,
-    kd, Wk [B, H, n, C, dk], U [B, H, n, C, dv]: the only sequential part, three batched ops per
-    chunk (the output, the bulk of the work, is formed afterwards for all chunks at once).
+    kd, Wk [B, H, n, C, dk]: the only sequential part, three batched ops per chunk (the output,
+    the bulk of the work, is formed afterwards for all chunks at once).
     """
     B, H, n, _, dk = kd.shape
-    kdT, Wk, U = kd.transpose(-1, -2).flatten(0, 1), Wk.flatten(0, 1), U.flatten(0, 1)
+    kdT, Wk = kd.transpose(-1, -2).flatten(0, 1), Wk.flatten(0, 1)
+    V = U.view(B * H, *U.shape[2:])  # a view (written in place): U must merge B and H
     e = e.flatten(0, 1)[..., None]  # [B*H, n, 1, 1]
     states = U.new_empty(B * H, n, dk, U.shape[-1])
-    v_new = torch.empty_like(U)  # [B*H, n, C, dv]
     s = S.reshape(B * H, dk, -1).clone()
     for i in range(n):
         states[:, i] = s
-        torch.baddbmm(U[:, i], Wk[:, i], s, alpha=-1, out=v_new[:, i])
-        s.mul_(e[:, i]).baddbmm_(kdT[:, i], v_new[:, i])
+        V[:, i].baddbmm_(Wk[:, i], s, alpha=-1)  # v' = U - Wk S
+        s.mul_(e[:, i]).baddbmm_(kdT[:, i], V[:, i])
     S.copy_(s.view_as(S))
-    return states.unflatten(0, (B, H)), v_new.unflatten(0, (B, H))
+    return states.unflatten(0, (B, H))
 
 
 def fuse_gdn_projections(w: dict) -> dict[str, Tensor | Nvfp4Weight]:
@@ -182,26 +224,67 @@ def gdn_project(x: Tensor, w: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 def gdn_core_ref(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tensor, S: Tensor,
                  w: dict, a: ModelArgs) -> Tensor:
     """Everything between the projections and out_proj, in torch: conv, q/k l2norm, gates, delta
-    rule (T == 1: the recurrence, else chunked), gated norm -> [B, T, Hv*dv] in u's dtype."""
+    rule (T == 1: the recurrence, else chunked), gated norm -> [B, T, Hv*dv] in u's dtype.
+
+    A prefill runs in sub-blocks of GDN_SUBBLOCK tokens, the conv and recurrent state passing
+    from one to the next: the conv output, the fp32 q / k / v, the chunked rule's tensors and the
+    gated norm's fp32 temporaries exist for one sub-block at a time (every op but the delta rule
+    is per token; the rule's sub-blocks end on chunk bounds: `delta_rule_chunked`)."""
+    T = u.shape[1]
+    if T <= GDN_SUBBLOCK:
+        return gdn_core_block(u, z, b, g_in, conv_state, S, w, a)
+    _, Hv, _, dv = _dims(a)
+    out = u.new_empty(*u.shape[:2], Hv * dv)
+    for t0 in range(0, T, GDN_SUBBLOCK):
+        p = slice(t0, t0 + GDN_SUBBLOCK)
+        out[:, p] = gdn_core_block(u[:, p], z[:, p], b[:, p], g_in[:, p], conv_state, S, w, a)
+    return out
+
+
+def gdn_core_block(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tensor,
+                   S: Tensor, w: dict, a: ModelArgs) -> Tensor:
+    """`gdn_core_ref` of T <= GDN_SUBBLOCK tokens. Prefill (T > 1) lays q / k / v out heads
+    first, [B, Hv, T, d] contiguous (what the chunked rule's batched matmuls read without
+    copies), with T padded to whole chunks (the padded conv rows are 0: q, k, v of 0, and beta,
+    g of 0 too, as delta_rule_block's own padding)."""
     T = u.shape[1]
     Hk, Hv, dk, dv = _dims(a)
     z = z.unflatten(-1, (Hv, dv))  # [B, T, Hv, dv]
     c = causal_conv(u, conv_state, w["conv1d.weight"].squeeze(1))
-    q, k, v = c.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
-    rep = Hv // Hk  # value head h reads key head h // rep
-    q = q.unflatten(-1, (Hk, dk)).repeat_interleave(rep, dim=2).float()  # [B, T, Hv, dk]
-    k = k.unflatten(-1, (Hk, dk)).repeat_interleave(rep, dim=2).float()
-    v = v.unflatten(-1, (Hv, dv)).float()
-    q = l2norm(q) / dk**0.5
-    k = l2norm(k)
     beta = torch.sigmoid(b).float()
     g = -w["A_log"].float().exp() * F.softplus(g_in.float() + w["dt_bias"].float())
+    rep = Hv // Hk  # value head h reads key head h // rep
     if T == 1:
+        q, k, v = c.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        q = q.unflatten(-1, (Hk, dk)).repeat_interleave(rep, dim=2).float()  # [B, T, Hv, dk]
+        k = k.unflatten(-1, (Hk, dk)).repeat_interleave(rep, dim=2).float()
+        v = v.unflatten(-1, (Hv, dv)).float()
+        q = l2norm(q) / dk**0.5
+        k = l2norm(k)
         o = delta_rule_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)[:, None]
     else:
-        o = delta_rule_chunked(*(t.transpose(1, 2) for t in (q, k, v, g, beta)), S).transpose(1, 2)
+        pad = (-T) % CHUNK
+        if pad:
+            c = F.pad(c, (0, 0, 0, pad))
+            g, beta = (F.pad(t, (0, 0, 0, pad)) for t in (g, beta))
+        q, k, v = c.split([Hk * dk, Hk * dk, Hv * dv], dim=-1)
+        q = l2norm(_heads(q, Hk, dk).repeat_interleave(rep, dim=1).float()).div_(dk**0.5)
+        k = l2norm(_heads(k, Hk, dk).repeat_interleave(rep, dim=1).float())  # [B, Hv, T', dk]
+        # one contiguous fp32 copy (.to(memory_format=) returns a same-dtype view as it is,
+        # which would keep the conv output alive)
+        v = torch.empty(v.shape[0], Hv, v.shape[1], dv, dtype=torch.float32,
+                        device=v.device).copy_(_heads(v, Hv, dv))
+        del c
+        o = delta_rule_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), S)
+        del q, k, v
+        o = o[:, :, :T].transpose(1, 2)  # [B, T, Hv, dv]
     o = gated_rms_norm(o.to(u.dtype), z, w["norm.weight"], a.rms_norm_eps, a.output_gate_type)
     return o.flatten(-2)
+
+
+def _heads(x: Tensor, H: int, d: int) -> Tensor:
+    """[B, T, H*d] -> [B, H, T, d] (a view)."""
+    return x.unflatten(-1, (H, d)).transpose(1, 2)
 
 
 def gdn_mixer_ref(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:

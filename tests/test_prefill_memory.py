@@ -1,0 +1,115 @@
+"""The VRAM plan's prefill terms against the peak bytes a prefill really holds, measured on the
+CPU (ftchat/vram_plan.py `prefill_workspace`, docs/design.md 4.9).
+
+The measurement: torch.profiler with profile_memory records every allocation and free of the
+c10 CPU allocator (sizes, in order); the peak of their running sum is the most bytes the call
+held above what was alive when it started. It sees every tensor torch allocates, a kernel's
+internal ones included (matmul's reshaped copies, the solve's output); not what BLAS or oneDNN
+allocate on their own (the CUDA counterpart, cuBLAS's workspace, is its own plan item). The
+allocator's rounding and caching are not in it (the plan's allocator slack covers those).
+
+(a) GDN: the plan's term covers gdn_mixer_ref's prefill peak, for T inside one sub-block and
+    across several, and is within 1.2x of it; controls: with the sub-blocks off the peak grows
+    past it (the plan relies on them), the plan of one sub-block's T falls short of a longer T,
+    and the old term 16 T (2 Hk dk + 2 Hv dk) falls short of the unblocked prefill (the plan
+    that ran out of memory on the H200).
+(b) the whole prefill call (engine.prefill, every block of every layer, the CPU path) of the
+    tiny model: the plan's workspace covers the peak and is within 2x of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ftchat import engine
+from ftchat import vram_plan as vp
+from ftchat.model import gdn
+from ftchat.model.state import DecodeState
+from ftchat.model.synth_memory import synthetic_model
+from tests.test_gdn_fused_projections import _args, _layer, _state
+
+SUB = 128  # GDN_SUBBLOCK for these tests: small, so a short T spans several
+
+
+def peak_bytes(fn) -> int:
+    """The most bytes fn() holds at once above what was alive at its start (CPU)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, n in events:
+        live += n
+        peak = max(peak, live)
+    return peak
+
+
+def test_the_measurement_sees_every_allocation():
+    def fn():
+        a = torch.empty(1000, 1000)  # 4 MB
+        b = torch.empty(2000, 1000)  # 8 MB: 12 MB at once
+        del a
+        c = torch.empty(500, 1000)  # 2 MB in a's place
+        del b, c
+
+    assert peak_bytes(fn) == 12_000_000
+    L, B = torch.eye(64).repeat(250, 1, 1), torch.ones(250, 64, 64)
+    # a kernel's output (allocated inside the op)
+    assert peak_bytes(lambda: torch.linalg.solve_triangular(L, B, upper=False)) == 4_096_000
+
+
+def _geometries():
+    wide = dataclasses.replace(_args(), linear_num_key_heads=1, linear_num_value_heads=3,
+                               linear_key_head_dim=128, linear_value_head_dim=128)
+    return {"dk 16 (C x C terms lead)": _args(), "dk 128 (flash-next's head dims)": wide}
+
+
+def _gdn_peak(a, w, T: int, dtype) -> int:
+    x = torch.randn(1, T, a.hidden_size, generator=torch.Generator().manual_seed(T)).to(dtype)
+    state = _state(a, 1, dtype, 3)
+    return peak_bytes(lambda: gdn.gdn_mixer_ref(x, w, *state, a))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("geometry", list(_geometries()))
+def test_plan_covers_the_gdn_prefill(geometry, dtype, monkeypatch):
+    a = _geometries()[geometry]
+    w = _layer(a, dtype, seed=1)
+    Hk, Hv, dk, _ = gdn._dims(a)
+    monkeypatch.setattr(gdn, "GDN_SUBBLOCK", SUB)
+    for T in (100, SUB, 3 * SUB + 37, 8 * SUB + 5):
+        measured = _gdn_peak(a, w, T, dtype)
+        planned = vp.gdn_prefill_bytes(a, dtype.itemsize, T, cuda=False)
+        assert measured <= planned <= 1.2 * measured, (T, measured, planned)
+        if T > SUB:  # controls
+            assert vp.gdn_prefill_bytes(a, dtype.itemsize, SUB, cuda=False) < measured
+            with monkeypatch.context() as m:
+                m.setattr(gdn, "GDN_SUBBLOCK", 1 << 20)
+                unblocked = _gdn_peak(a, w, T, dtype)
+            assert planned < unblocked
+            assert 16 * T * (2 * Hk * dk + 2 * Hv * dk) < unblocked  # the old term
+
+
+@pytest.mark.parametrize("T, L, kv, dense, sub", [(300, 512, "auto", "bf16", 1024),
+                                                  (700, 2048, "fp8", "bf16", SUB),
+                                                  (200, 200, "fp8", "nvfp4", SUB)])
+def test_plan_covers_a_whole_prefill_call(T, L, kv, dense, sub, monkeypatch):
+    """engine.prefill of the last T tokens of a prompt filling L (the attention at its widest),
+    the tiny model in bf16 on the CPU: the plan's workspace (cuda False: the CPU paths) covers
+    the peak, within 2x (the sparse attention's bound assumes a full query chunk at L)."""
+    monkeypatch.setattr(gdn, "GDN_SUBBLOCK", sub)
+    m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", torch.bfloat16, dense=dense)
+    a, fp8 = m.args, kv == "fp8"
+    state = DecodeState.create(a, 1, L, "cpu", torch.bfloat16,
+                               kv_dtype=torch.float8_e4m3fn if fp8 else None)
+    experts = engine.resident_backend(m)
+    ids = torch.randint(0, a.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+    measured = peak_bytes(lambda: engine.prefill(m, state, 0, ids, L - T, experts,
+                                                 logits_at=slice(-1, None)))
+    planned = sum(vp.prefill_workspace(a, m.layout, 2, T, L, False, dense == "nvfp4",
+                                       fp8).values())
+    assert measured <= planned <= 2 * measured, (measured, planned)
