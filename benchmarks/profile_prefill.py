@@ -3,7 +3,10 @@ in memory (random weights, NVFP4 experts in pinned host memory), one prompt pref
 offloaded experts (the staging path, prefetch off) and with every expert resident, then one
 chunk under torch.profiler: wall time per chunk and layer, the copy bytes, the top kernels.
 
-    python benchmarks/profile_prefill.py --layers 4 --tokens 8192 --chunk 8192 --out X.json
+    python benchmarks/profile_prefill.py --layers 4 --tokens 32768 --chunk 8192 --at 24576
+
+--at T profiles the chunk that starts at position T (the first T tokens prefilled unprofiled
+first): the attention of a late chunk sees a long context.
 """
 
 from __future__ import annotations
@@ -37,13 +40,15 @@ def _timed_prefill(m, ex, ids: torch.Tensor, chunk: int) -> tuple[float, float]:
     return time.perf_counter() - t, _copy_gb(ex) - gb
 
 
-def _profiled(m, ex, ids: torch.Tensor, chunk: int, top: int) -> dict:
+def _profiled(m, ex, ids: torch.Tensor, chunk: int, top: int, at: int) -> dict:
     dec = Decoder(m, ex, 1, len(ids) + 2, prefill_chunk=chunk)
     dec.prefill(0, ids[:256], 0)
     dec.reset()
+    if at:
+        dec.prefill(0, ids[:at], 0)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        dec.prefill(0, ids[:chunk], 0)
+        dec.prefill(0, ids[at : at + chunk], at)
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
@@ -55,6 +60,47 @@ def _profiled(m, ex, ids: torch.Tensor, chunk: int, top: int) -> dict:
     return {"top_device_us": rows[:top], "top_kernels_us": kernels[:top]}
 
 
+# the forward's parts timed one by one (synchronized around each call) by `_breakdown`
+PARTS = ("attention_mixer", "gdn_mixer", "moe_block", "hc_write_read", "ple_layer")
+
+
+def _breakdown(m, ex, ids: torch.Tensor, chunk: int, at: int) -> dict:
+    """ms per part of the forward for the chunk at position `at`: each of PARTS wrapped in
+    synchronized timers (so the parts do not overlap; their sum is near the chunk's wall time)."""
+    import ftchat.model.qwen4_exp as q
+
+    dec = Decoder(m, ex, 1, len(ids) + 2, prefill_chunk=chunk)
+    dec.prefill(0, ids[:256], 0)
+    dec.reset()
+    if at:
+        dec.prefill(0, ids[:at], 0)
+    spent = {p: 0.0 for p in PARTS}
+    saved = {p: getattr(q, p) for p in PARTS}
+
+    def timed(name, fn):
+        def run(*a, **k):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = fn(*a, **k)
+            torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - t
+            return out
+        return run
+
+    for p in PARTS:
+        setattr(q, p, timed(p, saved[p]))
+    try:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        dec.prefill(0, ids[at : at + chunk], at)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    finally:
+        for p in PARTS:
+            setattr(q, p, saved[p])
+    return {"wall_ms": round(1e3 * wall, 1), **{p: round(1e3 * v, 1) for p, v in spent.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -63,6 +109,8 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=1650)
     ap.add_argument("--dense", default="nvfp4")
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--at", type=int, default=0, help="position of the profiled chunk")
+    ap.add_argument("--arms", default="offload,resident")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t = time.perf_counter()
@@ -73,7 +121,7 @@ def main() -> None:
     ids = torch.randint(0, 1000, (args.tokens,))
     L = args.layers
     for chunk in (int(c) for c in args.chunk.split(",")):
-        for arm in ("offload", "resident"):
+        for arm in args.arms.split(","):
             ex = (build_experts(m, Settings(slots=args.slots, prefetch="off")) if arm == "offload"
                   else resident_backend(m))
             s, gb = _timed_prefill(m, ex, ids, chunk)
@@ -83,11 +131,13 @@ def main() -> None:
                    "copy_gb": round(gb, 2),  # host -> device bytes of the timed prefill
                    # the link alone at 52 GB/s (the H200's measured host-to-device rate)
                    "link_ms_per_chunk_layer": round(1e3 * gb / 52 / n_chunks / L, 2)}
-            row.update(_profiled(m, ex, ids, chunk, args.top))
+            row["breakdown_ms"] = _breakdown(m, ex, ids, chunk, args.at)
+            row.update(_profiled(m, ex, ids, chunk, args.top, args.at))
             res["runs"][f"{arm}_chunk{chunk}"] = row
             print(arm, chunk, {k: v for k, v in row.items() if not k.startswith("top")},
                   flush=True)
-            for name, count, us in row["top_kernels_us"][:12]:
+            print("    breakdown", row["breakdown_ms"], flush=True)
+            for name, count, us in row["top_device_us"][:args.top]:
                 print(f"    {us / 1e3:9.2f} ms {count:6d}x  {name}", flush=True)
             ex.close()
             del ex
