@@ -18,12 +18,15 @@ import os
 m = synthetic_model("flash-next", 48, "nvfp4-modelopt", "cuda", torch.bfloat16,
                     dense=os.environ.get("DENSE", "bf16"))
 out = {"build_s": round(time.perf_counter() - t, 1), "tok_s": {}}
+streams = [s == "1" for s in os.environ.get("STREAM", "1,0").split(",")]
 for chunk in chunks:
-    torch.cuda.reset_peak_memory_stats()
-    res = bench_prefill(m, Settings(slots=1650, prefill_chunk=chunk), lengths)
-    out["tok_s"][chunk] = {n: round(v, 1) for n, v in res.items()}
-    out.setdefault("peak_reserved_gib", {})[chunk] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-    print(chunk, out["tok_s"][chunk], file=sys.stderr, flush=True)
+    for stream in streams:  # layer streaming on / off, side by side
+        torch.cuda.reset_peak_memory_stats()
+        res = bench_prefill(m, Settings(slots=1650, prefill_chunk=chunk), lengths, stream)
+        key = f"{chunk}" + ("" if stream else ":nostream")
+        out["tok_s"][key] = {n: round(v, 1) for n, v in res.items()}
+        out.setdefault("peak_reserved_gib", {})[key] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        print(key, out["tok_s"][key], file=sys.stderr, flush=True)
 print(json.dumps(out))
 PY
 echo "prefill48 rc=$?"; tail -5 "$O/prefill48.err"; cat "$O/prefill48.json"

@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--dense", default="nvfp4")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--at", type=int, default=0, help="position of the profiled chunk")
-    ap.add_argument("--arms", default="offload,resident")
+    ap.add_argument("--arms", default="offload,offload_nostream,resident")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t = time.perf_counter()
@@ -122,8 +122,10 @@ def main() -> None:
     L = args.layers
     for chunk in (int(c) for c in args.chunk.split(",")):
         for arm in args.arms.split(","):
-            ex = (build_experts(m, Settings(slots=args.slots, prefetch="off")) if arm == "offload"
-                  else resident_backend(m))
+            ex = (resident_backend(m) if arm == "resident"
+                  else build_experts(m, Settings(slots=args.slots, prefetch="off")))
+            if arm == "offload_nostream":  # the layer streaming off: copies on demand
+                ex.for_prefill().stream_layers = False
             s, gb = _timed_prefill(m, ex, ids, chunk)
             n_chunks = -(-args.tokens // chunk)
             row = {"tok_s": round(args.tokens / s, 1),

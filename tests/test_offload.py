@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -140,3 +142,85 @@ def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
     bad = host.clone()
     bad[absent] ^= 0x5A
     assert not torch.equal(staged_logits(bad)[0], ref)
+
+
+def _streamed_prefill(m, host, slots, ids, monkeypatch, skip_wait: bool = False):
+    """Prefill ids through a StagedExperts that streams whole layers ahead (the chunk threshold
+    lowered to the tiny prompt); skip_wait: the MoE block does not wait for the streamed copy."""
+    from ftchat.engine import prefill
+    from ftchat.model.state import DecodeState
+    from ftchat.offload import backend
+    from ftchat.offload.streams import CpuStreams
+
+    monkeypatch.setattr(backend, "STREAM_MIN_TOKENS", 8)
+    staged = backend.StagedExperts(host, m.layout, m.args.num_experts, m.device, CpuStreams(), 8,
+                                   slots)
+    begin, streamed = staged.begin, []
+
+    def begin_spy(layer, x, ids_):
+        ahead = staged.ahead is not None and staged.ahead.layer == layer
+        p = begin(layer, x, ids_)
+        if ahead:
+            streamed.append(layer)
+            if skip_wait:
+                p = dataclasses.replace(p, ready=None)
+        return p
+
+    staged.begin = begin_spy
+    st = DecodeState.create(m.args, 1, 64, "cpu", torch.float32)
+    return prefill(m, st, 0, ids, 0, staged), staged, streamed
+
+
+def test_streamed_prefill_equals_resident(tiny_nvfp4, monkeypatch):
+    """Layer streaming (every expert of layer L+1 copied once layer L's kernel is issued): the
+    logits of reading the host rows directly; every layer but the first came from a streamed
+    copy of the whole layer. Control: the MoE block not waiting for that copy reads the previous
+    layer's experts (the CPU emulation runs the copy only when waited for) and the logits move."""
+    from ftchat.engine import build_experts
+    from ftchat.settings import Settings
+
+    m = model(tiny_nvfp4)
+    E, L = m.args.num_experts, m.args.num_hidden_layers
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(3))
+    empty = build_experts(m, Settings(slots=24, batch_size=1))
+    from ftchat.engine import prefill
+    from ftchat.model.state import DecodeState
+
+    ref = prefill(m, DecodeState.create(m.args, 1, 64, "cpu", torch.float32), 0, ids, 0,
+                  resident_backend(m))
+    slots = (empty.maps.slot_of, empty.bank)
+    logits, staged, streamed = _streamed_prefill(m, m.host_rows, slots, ids, monkeypatch)
+    assert torch.equal(logits, ref)
+    assert streamed == list(range(1, L))
+    n0 = int(staged.rows_from_host) - (L - 1) * E  # layer 0 copied on demand: its routed experts
+    assert 0 < n0 <= E and int(staged.rows_from_slots) == 0
+
+    bad, _, streamed = _streamed_prefill(m, m.host_rows, slots, ids, monkeypatch, skip_wait=True)
+    assert streamed == list(range(1, L)) and not torch.equal(bad, ref)
+
+
+def test_streamed_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4, monkeypatch):
+    """Streamed layers copy the experts the decode cache holds from their slots: with their host
+    rows corrupted the prefill is still exact; corrupting the others' host rows is not (control)."""
+    from ftchat.engine import build_experts, generate, prefill
+    from ftchat.model.state import DecodeState
+    from ftchat.settings import Settings
+
+    m = model(tiny_nvfp4)
+    ex = build_experts(m, Settings(slots=24, batch_size=1))
+    list(generate(m, [[3, 17, 99, 4, 250]], 12, ex))  # fill the cache
+    ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(4))
+    ref = prefill(m, DecodeState.create(m.args, 1, 64, "cpu", torch.float32), 0, ids, 0,
+                  resident_backend(m))
+    cached = (ex.maps.slot_of[:-1] >= 0).nonzero().flatten()
+    host = m.host_rows.clone()
+    host[cached] ^= 0x5A
+    slots = (ex.maps.slot_of, ex.bank)
+    logits, staged, streamed = _streamed_prefill(m, host, slots, ids, monkeypatch)
+    assert torch.equal(logits, ref) and len(streamed) == m.args.num_hidden_layers - 1
+    assert int(staged.rows_from_slots) > 0
+    absent = torch.ones(host.shape[0], dtype=torch.bool)
+    absent[cached] = False
+    bad = host.clone()
+    bad[absent] ^= 0x5A
+    assert not torch.equal(_streamed_prefill(m, bad, slots, ids, monkeypatch)[0], ref)

@@ -26,6 +26,7 @@ from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
 from ftchat.kernels import fused_kernels, pdl_kernels
 from ftchat.model.expert_backend import ExpertBackend
+from ftchat.offload.backend import StagedExperts
 from ftchat.profile import profile_call
 from ftchat.settings import Settings, override
 from ftchat.vram_plan import budget_bytes, peak_report
@@ -184,10 +185,14 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     return out
 
 
-def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int]) -> dict:
+def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int],
+                  stream_layers: bool = True) -> dict:
     """Prefill tok/s with offloaded experts (staging area on CUDA), in chunks of
-    base.prefill_chunk tokens."""
+    base.prefill_chunk tokens; stream_layers False turns the layer streaming off (an arm)."""
     ex = build_experts(m, dataclasses.replace(base, prefetch="off"))
+    staged = ex.for_prefill()
+    if isinstance(staged, StagedExperts):
+        staged.stream_layers = stream_layers
     out = {}
     for n in lengths:
         dec = Decoder(m, ex, 1, n + 2, prefill_chunk=base.prefill_chunk,

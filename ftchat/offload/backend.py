@@ -9,7 +9,8 @@ One MoE block of layer L (docs/design.md section 3), in program order:
   compute:   shared expert (overlaps the copies), wait demand_done(L), routed expert kernel
 Every slot-map write (ensure, prefetch_ensure) is issued on the compute stream.
 Prefill runs through `for_prefill()`: it reads its experts from the host rows (CPU) or a staging
-area (CUDA: host rows, and slots the cache holds) and leaves the slot cache untouched.
+area (CUDA: host rows, and slots the cache holds) and leaves the slot cache untouched; on a
+large chunk the next layer's experts stream into that area while this layer's mixer runs.
 Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
 """
 
@@ -283,27 +284,64 @@ class OffloadExperts:
         self.hooks.after_copy(self.view, plan, layer, kind)
 
 
+# Prefill chunks of at least this many tokens stream the next layer's experts (all of them):
+# with top-10 of 512 experts, 256 tokens leave ~0.7 % of a layer's experts unrouted
+STREAM_MIN_TOKENS = 256
+
+
+@dataclass
+class _Ahead:
+    """A whole layer's experts copied into staging ahead of its MoE block (layer streaming)."""
+
+    layer: int
+    rank: Tensor  # [E] int32: staging row of each expert
+    ready: object  # the copy's event
+    plans: tuple  # read by the copy stream: kept alive until it ran
+
+
 class StagedExperts(_NoCache):
     """Prefill on CUDA: each layer's routed experts are copied into a staging area [E+1, R]
     separate from the slot cache, then read from there. Experts the slot cache holds are copied
     from their slots (device to device) instead of crossing PCIe again; the maps are only read.
 
+    Layer streaming: once layer L's routed-expert kernel is issued on a chunk of at least
+    STREAM_MIN_TOKENS tokens, the copy stream waits for it (the kernel reads staging) and copies
+    every expert of layer L+1 (a large chunk routes to nearly all of them), overlapping layer
+    L+1's mixer; L+1's `begin` then only waits for that copy. A smaller chunk, or a layer with
+    no copy ahead (the first), copies its routed experts on demand.
+
     Staging order: experts fetched from the host first, then those copied from slots, each
     group by ascending id. rows_from_host / rows_from_slots count rows (device counters)."""
 
     def __init__(self, host: Tensor, layout: RowLayout, num_experts: int, device: torch.device,
-                 streams: CpuStreams | CudaStreams, programs: int, slots: tuple[Tensor, Tensor]):
+                 streams: CpuStreams | CudaStreams, programs: int, slots: tuple[Tensor, Tensor],
+                 stream_layers: bool = True):
         self.host, self.layout, self.E, self.streams, self.programs = (
             host, layout, num_experts, streams, programs)
         self.slot_of, self.bank = slots  # the decode cache's [N+1] map and [S+1, R] bank: read only
+        self.num_layers = (self.slot_of.numel() - 1) // num_experts
+        self.stream_layers = stream_layers
         self.staging = torch.empty(num_experts + 1, layout.nbytes, dtype=torch.uint8, device=device)
         self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)
         self.rows_from_slots = torch.zeros((), dtype=torch.int64, device=device)
+        self.ahead: _Ahead | None = None
+        self.live: tuple = ()
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
-        E, s, dev = self.E, self.streams, ids.device
-        routed = torch.zeros(E, dtype=torch.bool, device=dev)
+        ahead, self.ahead = self.ahead, None  # used once: a later prefill never sees it
+        if ahead is not None and ahead.layer == layer:
+            self.live = ahead.plans
+            return Pending(layer, ids, ahead.rank[ids], self.staging, ahead.ready)
+        routed = torch.zeros(self.E, dtype=torch.bool, device=ids.device)
         routed[ids.flatten()] = True
+        rank, ready = self._stage(layer, routed)
+        return Pending(layer, ids, rank[ids], self.staging, ready)
+
+    def _stage(self, layer: int, routed: Tensor) -> tuple[Tensor, object]:
+        """Copy the experts of `layer` that `routed` [E] marks into staging (issued on the
+        compute stream, run on the copy stream after the compute work so far); (staging row of
+        each expert [E] int32, the copy's event)."""
+        E, s, dev = self.E, self.streams, routed.device
         # every copy into the slots was joined before the last decode step ended
         slot = self.slot_of[layer * E:(layer + 1) * E]  # [E] slot of expert e, -1 absent
         cached = routed & (slot >= 0)
@@ -319,12 +357,12 @@ class StagedExperts(_NoCache):
         slot_src = slot[order[at]].long().clamp(min=0)
         plans = (host_src, pos.to(torch.int32), n_host.to(torch.int32), slot_src,
                  at.to(torch.int32), n_slot.to(torch.int32))
-        s.hand_off("copy", *plans)  # also: the previous layer's kernel has been issued
+        s.hand_off("copy", *plans)  # after the compute work so far: the last kernel on staging
         s.run("copy", lambda: self._copy(*plans))
         self.rows_from_host += n_host[0]
         self.rows_from_slots += n_slot[0]
         self.live = plans  # read by the copy stream: keep until the next layer
-        return Pending(layer, ids, rank[ids].to(torch.int32), self.staging, s.record("copy"))
+        return rank.to(torch.int32), s.record("copy")
 
     def _copy(self, host_src, host_dst, n_host, slot_src, slot_dst, n_slot) -> None:
         copy_rows(self.host, self.staging, host_src, host_dst, n_host, self.programs)
@@ -333,7 +371,13 @@ class StagedExperts(_NoCache):
     def finish(self, p: Pending, x: Tensor, weights: Tensor,
                shared: SharedOut | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
-        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
+        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
+        nxt = p.layer + 1
+        if self.stream_layers and nxt < self.num_layers and x.shape[0] >= STREAM_MIN_TOKENS:
+            every = torch.ones(self.E, dtype=torch.bool, device=x.device)
+            rank, ready = self._stage(nxt, every)  # waits for the kernel just issued
+            self.ahead = _Ahead(nxt, rank, ready, self.live)
+        return out
 
     def for_prefill(self) -> StagedExperts:
         return self
