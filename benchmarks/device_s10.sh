@@ -20,7 +20,7 @@ for mode in "$@"; do
       echo "e2e48 rc=$?"; grep -v "^prefill" "$L/e2e48.err" | tail -12 | cut -c1-300; grep "^prefill" "$L/e2e48.err" | tail -2; cat "$O/e2e48_${CHUNK:-4096}.json" ;;
     tests)
       timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -rf -p no:cacheprovider ${TESTS:-tests/gpu/test_moe_prefill_gpu.py tests/gpu/test_offload_gpu.py tests/gpu/test_gdn_decode_gpu.py} > "$L/tests.log" 2>&1
-      echo "tests rc=$?"; grep -E "FAILED|Error|passed|failed" "$L/tests.log" | tail -15
+      echo "tests rc=$?"; tail -3 "$L/tests.log"; grep -E "^FAILED|^ERROR" "$L/tests.log" | tail -15
       grep -B5 -A25 "FAILED\|Error" "$L/tests.log" | head -60 ;;
     *) bash benchmarks/device_s9.sh "$mode" ;;
   esac

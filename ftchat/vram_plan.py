@@ -416,19 +416,26 @@ def gdn_prefill_bytes(a: ModelArgs, act: int, T: int, dense_nvfp4: bool = False,
 
 
 def _prefill_attention(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
-                       fp8: bool = False) -> int:
+                       fp8: bool = False, dtype: torch.dtype | None = None) -> int:
     """Peak bytes of qsa.attention_mixer_ref's prefill of T > 1 queries at KV length L above
     its input: the projections (qg [2 Hq hd], k, v, iqk) kept to the end, then the largest of
-    q's RMSNorm (fp32), the attention with q, the gate (a copy: flatten of a strided view) and
-    iq alive, and the gate's product. The attention: causal over L when every complete block
-    is selected (the K/V dequantized when fp8), else the sparse prefill in chunks of
-    qsa.prefill_query_chunk
-    queries, with the chunk outputs so far (then their concatenation) and, per query of a
-    chunk, the largest of its block scores (fp32 [Hi, N] twice, the sum; the cached k̄ in fp32
-    once a chunk), the gather of its S tokens' K/V (fp8: both tensors' codes, the K
+    q's RMSNorm (fp32; the gate's copy, flatten of a strided view, made before it), the
+    attention with q, the gate and iq alive, and the gate's product. The attention: causal
+    over L when every complete block is selected (the K/V dequantized when fp8), else the
+    sparse prefill in chunks of qsa.prefill_query_chunk queries, with the chunk outputs so
+    far (then their concatenation) and, per query of a chunk, the largest of its block scores
+    (fp32 [Hi, N] twice, the sum; the cached k̄ in fp32 once a chunk), the gather of its S
+    tokens' K/V (fp8: both tensors' codes, the K
     dequantized, the V's fp32 value and product; else the K and V gathered) and attend_rows
     (the K/V, the reshaped copy matmul makes of one, the scores: act twice, softmax fp32),
-    plus the previous chunk's K/V (still bound while the next is gathered) and the indices."""
+    plus the previous chunk's K/V (still bound while the next is gathered) and the indices.
+    On CUDA, where `qsa.prefill_kernel_supported` (one row; dtype: the model's), the sparse
+    prefill is qsa.prefill_attention_fused, in chunks of prefill_query_chunk(kernel=True)
+    queries: nothing gathered; per query the largest of its block scores (as above), its token
+    indices (select_blocks_rows: int64 and bool [S], built while the scores [N] fp32 are still
+    bound) and the kernel's partial o, m, l (fp32 [Hq, splits, hd + 2]), plus the indices of
+    the chunk before (bound while the next is selected); its output is o * sigmoid(gate)."""
+    from ftchat.kernels.qsa_decode import default_splits
     from ftchat.model import qsa
 
     Hq, Hkv, hd, Hi, di, r = (a.num_attention_heads, a.num_key_value_heads, a.head_dim,
@@ -438,19 +445,30 @@ def _prefill_attention(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
     qi = T * act * (2 * Hq * hd + Hi * di)  # q and iq (normed, roped), the gate's copy
     o = T * act * Hq * hd
     kvh = Hkv * hd
+    dtype = dtype or (torch.bfloat16 if act == 2 else torch.float32)
+    scores = N * (2 * Hi * 4 + 4 + 4 + 1)  # select_blocks_rows' block scores, per query
     if N <= top:  # every complete block selected: plain causal attention over L
         dequant = L * kvh * (8 + 2 * act) if fp8 else 0  # K, V dequantized (slices: no gather)
         attn = T * L + dequant + 2 * Hq * L * hd * act + Hq * T * L * (2 * act + 4)
+    elif cuda and qsa.prefill_kernel_supported(a, dtype, 1):  # the kernel path, in query chunks
+        tq = qsa.prefill_query_chunk(T, L, a, "cuda", True)
+        S = top * r + r - 1
+        splits = default_splits(tq, Hkv, S, dtype)
+        per_query = 9 * S + max(  # the indices of the chunk before
+            scores,
+            4 * N + 26 * S,  # s; idx, ok, the cat and the block tokens and their validity
+            Hq * splits * (hd + 2) * 4)  # qsa_attention's partial buffers
+        attn = tq * per_query + 4 * N * di + o
     else:  # the sparse prefill, in query chunks
         tq = qsa.prefill_query_chunk(T, L, a, "cuda" if cuda else "cpu")
         S = top * r + r - 1
         gather = kvh * (10 + act) if fp8 else 2 * act * kvh
         per_query = S * (2 * act * kvh + 17) + max(  # a chunk's K/V bound, the indices
-            N * (2 * Hi * 4 + 4 + 4 + 1),  # select_blocks_rows
+            scores,  # select_blocks_rows
             S * gather,  # gather_kv
             S * (act * kvh + Hq * (2 * act + 4)))  # attend_rows
         attn = tq * per_query + 4 * N * di + o
-    return proj + max(T * _rms_norm_peak(Hq * hd, act),  # q's RMSNorm
+    return proj + max(T * (_rms_norm_peak(Hq * hd, act) + act * Hq * hd),  # q's RMSNorm
                       qi + max(attn, 2 * o),  # the chunks; their concatenation
                       qi + 3 * o + T * act * a.hidden_size)  # o, sigmoid(gate), o * it, y
 
@@ -502,7 +520,7 @@ def prefill_workspace(a: ModelArgs, layout: RowLayout, act: int, T: int, L: int,
     dtype = dtype or (torch.bfloat16 if act == 2 else torch.float32)
     moe, how = _moe_prefill(a, layout, dtype, T, fused)
     blocks = {"hyper-connection mix (fp32 RMSNorm)": T * _hc_mix(a, act),
-              "attention": _prefill_attention(a, act, T, L, fused, fp8),
+              "attention": _prefill_attention(a, act, T, L, fused, fp8, dtype),
               f"GDN (sub-blocks of {gdn.GDN_SUBBLOCK:,})": gdn_prefill_bytes(
                   a, act, T, dense_nvfp4, fused),
               f"MoE ({layout.kind} experts, {how})": moe}

@@ -16,6 +16,8 @@ torch.topk, then the o_proj GEMV (docs/model.md sections 4.1, 4.2, 4.4, 4.5, num
      unnormalised partial o, running max m and sum l.
   4. `_combine_kernel`, grid (B * Hq,): o = sum_j e^(m_j - M) o_j / sum_j e^(m_j - M) l_j, rounded,
      times sigmoid(gate), rounded -> [B, Hq*hd] for o_proj.
+The CUDA sparse prefill (qsa.prefill_attention_fused) runs kernels 3 and 4 alone, a chunk's
+queries as the rows over one cache row (stride 0) with explicit token lists per query.
 
 Numerics: every value the torch path (`qsa.attention_mixer_ref`) rounds to the model dtype is
 rounded here at the same point (bit arithmetic to nearest even, as the GPU's cast and unlike the
@@ -534,9 +536,29 @@ def qsa_rank_keys(iq: Tensor, kbar: Tensor, pos: Tensor, n_blocks: int, ratio: i
 def default_tiles(B: int, kv_heads: int, slots: int, block_n: int, cuda: bool = True) -> int:
     """Tiles of block_n slots per split: on CUDA enough splits for about two programs per SM;
     elsewhere (the interpreter runs programs one by one, each with a fixed cost) 4 per head."""
-    nt = max(1, triton.cdiv(slots, block_n))
-    want = max(1, triton.cdiv(2 * SMS, B * kv_heads)) if cuda else 4
-    return triton.cdiv(nt, min(nt, want))
+    nt = max(1, _cdiv(slots, block_n))
+    want = max(1, _cdiv(2 * SMS, B * kv_heads)) if cuda else 4
+    return _cdiv(nt, min(nt, want))
+
+
+def _cdiv(n: int, d: int) -> int:
+    return -(-n // d)  # triton.cdiv without Triton: the VRAM plan counts the splits on any host
+
+
+def split_count(B: int, kv_heads: int, slots: int, block_n: int, tiles: int | None = None,
+                cuda: bool = True) -> tuple[int, int]:
+    """(tiles per split, splits) of `qsa_attention` over `slots` slots in tiles of block_n
+    (tiles None: default_tiles); the partial buffers are [B, Hq, splits, hd + 2] fp32."""
+    nt = max(1, _cdiv(slots, block_n))
+    tiles = min(tiles or default_tiles(B, kv_heads, slots, block_n, cuda), nt)
+    return tiles, _cdiv(nt, tiles)
+
+
+def default_splits(B: int, kv_heads: int, slots: int, dtype: torch.dtype, cuda: bool = True) -> int:
+    """The splits of `qsa_attention` with its default tile choices for q in dtype on CUDA
+    (cuda True) or in the interpreter."""
+    return split_count(B, kv_heads, slots, _tile_defaults(_bf16(dtype) and cuda, cuda)[0],
+                       cuda=cuda)[1]
 
 
 def _tile_defaults(tc: bool, cuda: bool) -> tuple[int, int]:
@@ -558,7 +580,10 @@ def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos
     Args:
         q: [B, Hq, hd] (normed, roped); gate: [B, Hq, hd] (last dim dense; a view of proj).
         k_cache, v_cache: [B, L, Hkv, hd] in q's dtype, or FP8 codes (kv_cache.FP8) with
-            kv_scales = (k_scale, v_scale) [B, L, Hkv] fp32; pos: [B, 1] or [B] positions.
+            kv_scales = (k_scale, v_scale) [B, L, Hkv] fp32, each row dense (the rows may be
+            one cache row expanded with stride 0: the prefill's queries,
+            qsa.prefill_attention_fused);
+            pos: [B, 1] or [B] positions.
         blocks, block_keys: [B, K] top-k block indices and their ranking keys (valid: >= 0);
             the slots are their K*r tokens and the r - 1 tail slots (select_blocks' set).
         idx, ok: instead, explicit token indices [B, S] and validity [B, S].
@@ -590,9 +615,7 @@ def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos
     else:
         K, S = 0, idx.shape[1]
         sel, selv, sel_sb = idx.contiguous(), ok.contiguous().view(torch.uint8), S
-    nt = max(1, triton.cdiv(S, block_n))
-    tiles = min(tiles or default_tiles(B, Hkv, S, block_n, q.is_cuda), nt)
-    nsplit = triton.cdiv(nt, tiles)
+    tiles, nsplit = split_count(B, Hkv, S, block_n, tiles, q.is_cuda)
     part = torch.empty(B, Hq, nsplit, hd, dtype=torch.float32, device=q.device)
     ml = torch.empty(B, Hq, nsplit, 2, dtype=torch.float32, device=q.device)
     gp = max(16, triton.next_power_of_2(Hq // Hkv))

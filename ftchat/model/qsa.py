@@ -7,7 +7,10 @@ Ties between equal block scores (exact 0.0 is common: sums of ReLUs) go to the l
 
 Prefill (T > 1) runs in query chunks (`prefill_attention`): per chunk the block scores against
 the cached k̄, the top-k with decode's order (`top_blocks`), a gather of each query's selected
-tokens and the attention over them; memory O(chunk * (L/r + budget)), never [T, L]. The dense
+tokens and the attention over them; memory O(chunk * (L/r + budget)), never [T, L]. On CUDA
+(one row, the fused decode's conditions) `prefill_attention_fused` keeps that selection and
+runs the decode's attention kernels with the chunk's queries as their rows, reading each
+query's selected tokens from the cache: no gather, chunks bounded by the block scores. The dense
 [B, T, L] selection mask (`select_tokens`, `dense_attention`) is the reference of both.
 Decode (T == 1) is O(budget): block scores from the cached compressed keys k̄ (cache['kbar'],
 written once per block when its last token arrives), a fixed-size top-k and a gather of at most
@@ -18,7 +21,8 @@ K and V are stored in the model dtype or, opt-in, as FP8 codes with a scale per 
 (model/kv_cache.py: written by `store_kv`, read by `gather_kv`); index and block keys stay in the
 model dtype.
 
-`attention_mixer_ref` is the torch path (CPU, prefill) and the reference. A CUDA decode step runs
+`attention_mixer_ref` is the torch path (CPU, prefill; on CUDA its sparse prefill attention is
+`prefill_attention_fused`) and the reference. A CUDA decode step runs
 `attention_decode_fused`: one GEMV on the load-time concatenation of the four input projections
 (`fuse_qsa_projections`), then ftchat/kernels/qsa_decode.py (norms, RoPE and the cache writes in
 one kernel; block scores and ranking keys in one; torch.topk; split attention and the gated
@@ -171,11 +175,15 @@ def dense_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int
 
 # ===== prefill: the sparse selection per query chunk =====
 
-# Elements of the largest per-chunk intermediate of the sparse prefill (block scores
-# [B, tq, Hi, N], gathered keys [B, tq, S, Hkv, hd]), by device type; they set the query chunk
-# tq. CPU: 2 MB of fp32, the fastest in a sweep (2^16..2^21 on the tiny model at 32K: smaller
-# chunks pay per-op overhead, larger ones fall out of cache); a GPU: large enough to fill it.
-PREFILL_ELEMS = {"cpu": 1 << 19, "cuda": 1 << 26}
+# Elements of the largest per-chunk intermediate of the sparse prefill, by path; they set the
+# query chunk tq. The torch path (block scores [B, tq, Hi, N], gathered keys [B, tq, S, Hkv, hd])
+# by device type: CPU 2 MB of fp32, the fastest in a sweep (2^16..2^21 on the tiny model at 32K:
+# smaller chunks pay per-op overhead, larger ones fall out of cache); a GPU: large enough to
+# fill it. The CUDA kernel path (`prefill_attention_fused`) gathers nothing; its largest are the
+# block scores [tq, Hi, N] fp32: 64 MiB a tensor at 2^24 (64 queries at 255K, 1,024 at 16K) keeps
+# the attention below the other blocks of a prefill call (vram_plan) and still fills the GPU
+# (tq * Hkv programs or more, at least 2 per SM).
+PREFILL_ELEMS = {"cpu": 1 << 19, "cuda": 1 << 26, "kernel": 1 << 24}
 
 
 def top_blocks(s: Tensor, K: int) -> tuple[Tensor, Tensor]:
@@ -241,22 +249,29 @@ def attend_rows(q: Tensor, keys: Tensor, vals: Tensor, ok: Tensor) -> Tensor:
     return (probs @ vals.transpose(2, 3)).flatten(2)  # [B, T, Hkv, rep, hd] -> [B, T, Hq*hd]
 
 
-def prefill_query_chunk(T: int, kv_len: int, a: ModelArgs, device: str = "cpu") -> int:
-    """Queries per chunk of the sparse prefill: its largest intermediate (block scores, gathered
-    keys or attention scores) stays within PREFILL_ELEMS[device], whatever the context."""
+def prefill_query_chunk(T: int, kv_len: int, a: ModelArgs, device: str = "cpu",
+                        kernel: bool = False) -> int:
+    """Queries per chunk of the sparse prefill: its largest intermediate stays within
+    PREFILL_ELEMS, whatever the context. The torch path (PREFILL_ELEMS[device]): block scores,
+    gathered keys or attention scores; the kernel path (`prefill_attention_fused`,
+    PREFILL_ELEMS['kernel']): block scores, the token indices or one split's partial o."""
     r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
     N = kv_len // r
     S = min(top, N) * r + r - 1
+    if kernel:
+        per_query = max(a.indexer_n_heads * N, S, a.num_attention_heads * a.head_dim)
+        return max(1, min(T, PREFILL_ELEMS["kernel"] // per_query))
     per_query = max(a.indexer_n_heads * N, S * a.num_key_value_heads * a.head_dim,
                     a.num_attention_heads * S)
     elems = PREFILL_ELEMS["cpu" if device == "cpu" else "cuda"]
     return max(1, min(T, elems // per_query))
 
 
-def prefill_chunks(pos: Tensor, kv_len: int, a: ModelArgs) -> list[tuple[slice, tuple[int, int]]]:
+def prefill_chunks(pos: Tensor, kv_len: int, a: ModelArgs, kernel: bool = False
+                   ) -> list[tuple[slice, tuple[int, int]]]:
     """The query chunks of the sparse prefill of queries at pos [B, T]: (queries, (lowest,
-    highest position among them)), in order."""
-    tq = prefill_query_chunk(pos.shape[1], kv_len, a, pos.device.type)
+    highest position among them)), in order; kernel: the chunks of `prefill_attention_fused`."""
+    tq = prefill_query_chunk(pos.shape[1], kv_len, a, pos.device.type, kernel)
     lo, hi = pos.amin(0).tolist(), pos.amax(0).tolist()  # SYNC: the blocks each chunk can see
     return [(slice(i, i + tq), (min(lo[i : i + tq]), max(hi[i : i + tq])))
             for i in range(0, len(lo), tq)]
@@ -268,8 +283,7 @@ def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: i
     the queries complete already cached. Short contexts (every complete block selected) are
     plain causal attention over L <= budget + r - 1; longer ones run in the chunks of queries of
     `prefill_chunks`, each query over its <= budget + r - 1 selected tokens only."""
-    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-    if kv_len // r <= top:  # select_tokens would give the causal mask itself (docs/model.md 4.2)
+    if not sparse_prefill(kv_len, a):  # select_tokens would give the causal mask (model.md 4.2)
         causal = torch.arange(kv_len, device=pos.device) <= pos[..., None]  # [B, T, L]
         return attend(q, *gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype), causal,
                       a)
@@ -280,6 +294,40 @@ def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: i
         keys, vals = gather_kv(cache, (rows, idx), q.dtype)  # [B, tq, S, Hkv, hd]
         out.append(attend_rows(q[:, part], keys, vals, ok))
     return torch.cat(out, dim=1)
+
+
+def sparse_prefill(kv_len: int, a: ModelArgs) -> bool:
+    """Whether a prefill over kv_len entries selects (more complete blocks than the top-k);
+    else every query attends causally over all of them."""
+    return kv_len // a.indexer_compress_ratio > a.indexer_budget // a.indexer_compress_ratio
+
+
+def prefill_attention_fused(q: Tensor, gate: Tensor, iq: Tensor, cache: dict, pos: Tensor,
+                            kv_len: int, a: ModelArgs) -> Tensor:
+    """`prefill_attention` times sigmoid(gate) for one row (B = 1) and a sparse kv_len, with
+    the attention in the decode's kernels: og [1, T, Hq*hd] of q [1, T, Hq, hd], gate
+    [1, T, Hq*hd], iq [1, T, Hi, di]. Per query chunk (`prefill_chunks`, kernel sizes) the
+    same selection (`select_blocks_rows`), then `qsa_attention` with the chunk's queries as its
+    rows over the one cache row (stride 0): each program reads its query's selected K/V from the
+    cache, nothing is gathered. Numerics: the decode's (qsa_decode module docstring)."""
+    Hq, hd = a.num_attention_heads, a.head_dim
+    dims = qsa_dims(a)
+    names = ("k", "v", "k_scale", "v_scale") if is_fp8(cache) else ("k", "v")
+    out = []
+    for part, span in prefill_chunks(pos, kv_len, a, True):
+        idx, ok = select_blocks_rows(iq[:, part], cache["kbar"], pos[:, part], span, a)
+        tq = idx.shape[1]  # idx, ok [1, tq, S]
+        k, v, *scales = (cache[n][:1].expand(tq, *cache[n].shape[1:]) for n in names)  # [tq, L..]
+        out.append(qsa_attention(q[0, part], gate[0, part].unflatten(-1, (Hq, hd)), k, v,
+                                 pos[0, part], dims, idx=idx[0], ok=ok[0],
+                                 kv_scales=tuple(scales) or None))  # [tq, Hq*hd]
+    return torch.cat(out)[None]
+
+
+def prefill_kernel_supported(a: ModelArgs, dtype: torch.dtype, rows: int) -> bool:
+    """Whether a CUDA prefill of `rows` rows over a sparse kv_len runs `prefill_attention_fused`:
+    one row, a geometry and dtype the decode kernels take, FUSED_DECODE on."""
+    return FUSED_DECODE and rows == 1 and qsa_decode_supported(qsa_dims(a), dtype, rows)
 
 
 def sparse_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int, w: dict,
@@ -388,13 +436,19 @@ def attention_inputs_ref(qg: Tensor, k: Tensor, v: Tensor, iqk: Tensor, w: dict,
 
 def attention_mixer_ref(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,
                         a: ModelArgs) -> Tensor:
-    """`attention_mixer` in torch (CPU, prefill; the reference of the fused decode)."""
+    """`attention_mixer` in torch (CPU, prefill; the reference of the fused decode). A CUDA
+    prefill of one row past the budget runs its attention and gate in the decode's kernels
+    (`prefill_attention_fused`), the rest as here."""
     T = x.shape[1]
     qg = F.linear(x, w["q_proj.weight"])  # [B, T, Hq*2hd]
     k = F.linear(x, w["k_proj.weight"])
     v = F.linear(x, w["v_proj.weight"])
     iqk = F.linear(x, w["indexer.index_qk_proj.weight"])  # [B, T, (Hi+1)*di]
     q, gate, iq = attention_inputs_ref(qg, k, v, iqk, w, cache, pos, a)
+    if (T > 1 and sparse_prefill(kv_len, a) and use_fused(x)
+            and prefill_kernel_supported(a, x.dtype, x.shape[0])):
+        og = prefill_attention_fused(q, gate, iq, cache, pos, kv_len, a)  # o * sigmoid(gate)
+        return F.linear(og, w["o_proj.weight"])
     mix = sparse_attention if T == 1 else prefill_attention
     o = mix(q, iq, cache, pos, kv_len, w, a)  # [B, T, Hq*hd]
     return F.linear(o * torch.sigmoid(gate), w["o_proj.weight"])
