@@ -345,19 +345,32 @@ def _stream(a: ModelArgs, act: int) -> int:
     return act * (a.hc_count * D + 3 * D + a.hc_count) + 16
 
 
-def _hc_mix(a: ModelArgs, act: int) -> int:
-    """Per token above the stream: hc_write_read_ref, the write R' = R + s*y (the caller's R
-    alive until it returns) then RMSNorm(R') in fp32 (hc_read_ref)."""
+def _hc_mix(a: ModelArgs, act: int, T: int) -> int:
+    """hc_write_read's torch path on T tokens above the stream: the write R' = R + s*y (the
+    caller's R alive until it returns), then hc_read_ref in sub-blocks of
+    qwen4_exp.HC_SUBBLOCK tokens: one sub-block's RMSNorm(R') in fp32 at a time, the norm
+    weight's fp32 copies (w.float() and 1 + w), and past one sub-block the outputs x [D] and
+    s [hc] of the sub-blocks and their concatenation."""
+    from ftchat.model.qwen4_exp import HC_SUBBLOCK
+
     hcD = a.hc_count * a.hidden_size
-    return act * hcD + _rms_norm_peak(hcD, act)
+    parts = 2 * T * act * (a.hidden_size + a.hc_count) if T > HC_SUBBLOCK else 0
+    return T * act * hcD + parts + min(T, HC_SUBBLOCK) * _rms_norm_peak(hcD, act) + 8 * hcD
 
 
-def _ple_block(a: ModelArgs, act: int) -> int:
-    """Per token above the stream: ple.ple_layer at the RMSNorm of G (key, query and G alive,
-    [hc*D] each), with its table rows (int64 [nh]), E [ple_embed_dim] and value [D]."""
+def _ple_block(a: ModelArgs, act: int, T: int) -> int:
+    """ple.ple_layer of T tokens above the stream: its output [hc*D] and table rows (int64
+    [nh]) per token, and one sub-block's (ple.PLE_SUBBLOCK tokens) transients at the RMSNorm of
+    G per token (key, query and G alive, [hc*D] each, E [ple_embed_dim] and value [D]; the
+    sub-block's slice of the output is written after), and the norm weight's fp32 copies
+    (w.float() and 1 + w, [hc*D] each)."""
+    from ftchat.model.ple import PLE_SUBBLOCK
+
     hcD, nh = a.hc_count * a.hidden_size, (a.ngram_size - 1) * a.heads_per_ngram
-    return 3 * act * hcD + _rms_norm_peak(hcD, act) + act * (a.ple_embed_dim + a.hidden_size) \
-        + 8 * nh
+    whole = T * 8 * nh + (T * act * hcD if T > PLE_SUBBLOCK else 0)  # rows; the output
+    t = min(T, PLE_SUBBLOCK)
+    return whole + t * (3 * act * hcD + _rms_norm_peak(hcD, act)
+                        + act * (a.ple_embed_dim + a.hidden_size)) + 8 * hcD
 
 
 def gdn_block_bytes(a: ModelArgs, act: int, t: int) -> int:
@@ -519,13 +532,13 @@ def prefill_workspace(a: ModelArgs, layout: RowLayout, act: int, T: int, L: int,
         return decode_workspace(a, layout, act, 1, L, fused)
     dtype = dtype or (torch.bfloat16 if act == 2 else torch.float32)
     moe, how = _moe_prefill(a, layout, dtype, T, fused)
-    blocks = {"hyper-connection mix (fp32 RMSNorm)": T * _hc_mix(a, act),
+    blocks = {"hyper-connection mix (fp32 RMSNorm)": _hc_mix(a, act, T),
               "attention": _prefill_attention(a, act, T, L, fused, fp8, dtype),
               f"GDN (sub-blocks of {gdn.GDN_SUBBLOCK:,})": gdn_prefill_bytes(
                   a, act, T, dense_nvfp4, fused),
               f"MoE ({layout.kind} experts, {how})": moe}
     if a.ple_layer_ids:
-        blocks["PLE layer"] = T * _ple_block(a, act)
+        blocks["PLE layer"] = _ple_block(a, act, T)
     top = max(blocks, key=blocks.get)
     return {top: blocks[top], "residual stream": T * _stream(a, act),
             "logits": a.vocab_size * act}

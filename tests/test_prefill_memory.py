@@ -113,3 +113,96 @@ def test_plan_covers_a_whole_prefill_call(T, L, kv, dense, sub, monkeypatch):
     planned = sum(vp.prefill_workspace(a, m.layout, 2, T, L, False, dense == "nvfp4",
                                        fp8).values())
     assert measured <= planned <= 2 * measured, (measured, planned)
+
+
+def _ple_call(T: int, dtype=torch.bfloat16):
+    """(args, a fresh PLE state, the call of ple.ple_layer on T tokens of the tiny model's PLE
+    layer with a state)."""
+    from ftchat.model import ple
+
+    m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", dtype)
+    a = m.args
+    i = a.ple_layers[0]
+    w = m.weights.layers[i]["ple"]
+    g = torch.Generator().manual_seed(T)
+    R = torch.randn(1, T, a.hc_count * a.hidden_size, generator=g).to(dtype)
+    ids = torch.randint(0, a.vocab_size, (1, T), generator=g)
+
+    def fresh() -> dict:
+        st = DecodeState.create(a, 1, 4, "cpu", dtype)
+        return {"ctx": st.ple_ctx, "conv": st.ple_conv[i]}
+    return a, fresh, lambda st: ple.ple_layer(R, ids, w, st, a)
+
+
+def test_ple_subblocks_change_no_bit(monkeypatch):
+    """The PLE prefill in sub-blocks (the conv state passing on) gives the unblocked bits."""
+    from ftchat.model import ple
+
+    _, fresh, call = _ple_call(300)
+    whole = call(fresh())
+    monkeypatch.setattr(ple, "PLE_SUBBLOCK", 64)
+    assert torch.equal(call(fresh()), whole)
+    monkeypatch.setattr(ple, "PLE_SUBBLOCK", 7)  # sub-blocks shorter than the conv's reach
+    assert torch.equal(call(fresh()), whole)
+
+
+@pytest.mark.parametrize("T", [100, 600])
+def test_plan_covers_the_ple_prefill(T, monkeypatch):
+    """The plan's PLE term covers ple_layer's measured peak, within 1.5x, inside one sub-block
+    (T 100) and across several (T 600 over sub-blocks of 128). Control: the sub-blocks off, the
+    peak of the longer call exceeds the term (the plan relies on them)."""
+    from ftchat.model import ple
+
+    monkeypatch.setattr(ple, "PLE_SUBBLOCK", SUB)
+    a, fresh, call = _ple_call(T)
+    planned = vp._ple_block(a, 2, T)
+    st = fresh()
+    measured = peak_bytes(lambda: call(st))
+    assert measured <= planned <= 1.5 * measured, (measured, planned)
+    if T > SUB:
+        monkeypatch.setattr(ple, "PLE_SUBBLOCK", 1 << 20)
+        st = fresh()
+        assert peak_bytes(lambda: call(st)) > planned
+
+
+def _hc_call(T: int, dtype=torch.bfloat16):
+    """(args, the call of the prefill's hc_write_read on T tokens of the tiny model's first
+    mixer: the pending write of a block output y with weights s, then the read)."""
+    from ftchat.model import qwen4_exp as q
+
+    m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", dtype)
+    a = m.args
+    w = m.weights.layers[0]["mlp_hyper_connection"]
+    g = torch.Generator().manual_seed(T)
+    R = torch.randn(1, T, a.hc_count * a.hidden_size, generator=g).to(dtype)
+    y = torch.randn(1, T, a.hidden_size, generator=g).to(dtype)
+    s = torch.rand(1, T, a.hc_count, generator=g).to(dtype)
+    return a, lambda: q.hc_write_read(R, y, s, w, a)
+
+
+def test_hc_subblocks_change_no_bit(monkeypatch):
+    """The prefill's hyper-connection read in sub-blocks gives the unblocked bits."""
+    from ftchat.model import qwen4_exp as q
+
+    _, call = _hc_call(300)
+    whole = call()
+    for sub in (64, 7):
+        monkeypatch.setattr(q, "HC_SUBBLOCK", sub)
+        assert all(torch.equal(u, v) for u, v in zip(call(), whole, strict=True))
+
+
+@pytest.mark.parametrize("T", [100, 600])
+def test_plan_covers_the_hc_prefill(T, monkeypatch):
+    """The plan's hyper-connection term covers hc_write_read's measured peak, within 1.5x,
+    inside one sub-block (T 100) and across several (T 600 over sub-blocks of 128). Control:
+    the sub-blocks off, the longer call's peak exceeds the term."""
+    from ftchat.model import qwen4_exp as q
+
+    monkeypatch.setattr(q, "HC_SUBBLOCK", SUB)
+    a, call = _hc_call(T)
+    planned = vp._hc_mix(a, 2, T)
+    measured = peak_bytes(call)
+    assert measured <= planned <= 1.5 * measured, (measured, planned)
+    if T > SUB:
+        monkeypatch.setattr(q, "HC_SUBBLOCK", 1 << 20)
+        assert peak_bytes(call) > planned

@@ -80,22 +80,41 @@ def ngram_rows(ids: Tensor, ctx: Tensor, mult: Tensor, primes: Tensor, offsets: 
     return torch.cat(blocks, dim=-1)  # [B, T, nh]
 
 
+# Tokens of a prefill the PLE layer forms at once: its [T, hc*D] transients (key, query, G and
+# their fp32 norms) exist for one sub-block at a time, not for the whole prefill call
+# (ftchat/vram_plan.py `_ple_block`); every op is per token but the conv, whose state carries
+PLE_SUBBLOCK = 1024
+
+
 def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Tensor:
-    """Returns the PLE residual update [B, T, hc*D] for R [B, T, hc*D]; advances state['conv']."""
-    D, hc = a.hidden_size, a.hc_count
-    emb = w["ple_embedding.ngram_embedding.weight"]
+    """Returns the PLE residual update [B, T, hc*D] for R [B, T, hc*D]; advances state['conv'].
+    A prefill runs in sub-blocks of PLE_SUBBLOCK tokens (the same bits: per-token ops, and the
+    conv's state passes from one sub-block to the next)."""
     rows = ngram_rows(ids, state["ctx"], w["ple_embedding.layer_multipliers"],
                       w["ple_embedding.ngram_heads_vocab_sizes"], w["ple_embedding.ngram_heads_offsets"],
-                      a.eos_token_id, a.heads_per_ngram)
-    E = embedding(emb, rows, R)  # [B, T, nh*dh]
+                      a.eos_token_id, a.heads_per_ngram)  # [B, T, nh]
+    T = R.shape[1]
+    if T <= PLE_SUBBLOCK:
+        return ple_block(R, rows, w, state["conv"], a)
+    out = torch.empty_like(R)
+    for t0 in range(0, T, PLE_SUBBLOCK):
+        p = slice(t0, t0 + PLE_SUBBLOCK)
+        out[:, p] = ple_block(R[:, p], rows[:, p], w, state["conv"], a)
+    return out
+
+
+def ple_block(R: Tensor, rows: Tensor, w: dict, conv: Tensor, a: ModelArgs) -> Tensor:
+    """`ple_layer` of R [B, t, hc*D] with its table rows [B, t, nh]; advances conv in place."""
+    D, hc = a.hidden_size, a.hc_count
+    E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)  # [B, t, nh*dh]
     key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps, D)
-    value = F.linear(E, w["value_proj.weight"])  # [B, T, D]
+    value = F.linear(E, w["value_proj.weight"])  # [B, t, D]
     query = rms_norm(R, w["norm_query.weight"], a.rms_norm_eps, D)
     u = (key.unflatten(-1, (hc, D)) * query.unflatten(-1, (hc, D))).sum(-1, keepdim=True) / math.sqrt(D)
-    u = u.abs().clamp_min(1e-6).sqrt() * u.sign()  # [B, T, hc, 1]
-    G = (torch.sigmoid(u) * value[:, :, None]).flatten(-2)  # [B, T, hc*D]
+    u = u.abs().clamp_min(1e-6).sqrt() * u.sign()  # [B, t, hc, 1]
+    G = (torch.sigmoid(u) * value[:, :, None]).flatten(-2)  # [B, t, hc*D]
     N = rms_norm(G, w["norm_conv.weight"], a.rms_norm_eps, D)
-    return G + dilated_conv(N, state["conv"], w["conv1d.weight"].squeeze(1), a.ngram_size)
+    return G + dilated_conv(N, conv, w["conv1d.weight"].squeeze(1), a.ngram_size)
 
 
 def embedding(emb: Tensor | NGramTable | HostTable, rows: Tensor, R: Tensor) -> Tensor:

@@ -59,8 +59,25 @@ def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
     return (x, s) if inject else x
 
 
+# Tokens of a prefill the hyper-connection read forms at once: its fp32 RMSNorm of [T, hc*D]
+# exists for one sub-block at a time (ftchat/vram_plan.py `_hc_mix`); every op is per token
+HC_SUBBLOCK = 1024
+
+
 def hc_read_ref(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
-    """The torch reference (and CPU path) of `hc_read`; every op in R's dtype, RMS in fp32."""
+    """The torch reference (and CPU path) of `hc_read`; every op in R's dtype, RMS in fp32.
+    A prefill R [B, T, hc*D] runs in sub-blocks of HC_SUBBLOCK tokens (the same bits)."""
+    if R.dim() == 3 and R.shape[1] > HC_SUBBLOCK:
+        parts = [hc_read_block(R[:, t:t + HC_SUBBLOCK], w, a, inject)
+                 for t in range(0, R.shape[1], HC_SUBBLOCK)]
+        if not inject:
+            return torch.cat(parts, dim=1)
+        return torch.cat([x for x, _ in parts], dim=1), torch.cat([s for _, s in parts], dim=1)
+    return hc_read_block(R, w, a, inject)
+
+
+def hc_read_block(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
+    """`hc_read_ref` of R [.., hc*D] at once."""
     D, hc = a.hidden_size, a.hc_count
     Rn = rms_norm(R, w["hc_norm.weight"], a.rms_norm_eps, group=D)
     m = F.silu(F.linear(Rn, w["input_mix_weight_down.weight"]) / hc)
