@@ -4,7 +4,9 @@ Legend: B batch, T tokens, D hidden, C conv channels, Hk/Hv key/value heads, dk/
 N = C + Hv*dv + 2*Hv fused projection rows [qkv | z | b | a].
 State per sequence: conv [C, Kc-1] (last pre-activation inputs) and S [Hv, dk, dv] fp32.
 
-`gdn_mixer_ref` is the torch path (CPU, prefill) and the reference; on CUDA a decode step (T == 1)
+`gdn_mixer_ref` is the torch path (CPU, prefill) and the reference; on CUDA its prefill runs the
+chunked rule's sequential part (the chunk-to-chunk state scan) and output as one Triton kernel
+(ftchat/kernels/gdn_prefill.py, from `delta_rule_block`). On CUDA a decode step (T == 1)
 runs `gdn_decode_fused`: one GEMV on the fused input projection, one Triton kernel
 (ftchat/kernels/gdn_decode.py), the out_proj GEMV. With qkv and z kept in NVFP4 (an NVFP4
 checkpoint, nvfp4.Nvfp4Weight) the projection GEMV reads them packed and b | a as a bf16 tail
@@ -20,6 +22,7 @@ from torch import Tensor
 
 from ftchat.kernels import gemv, nvfp4_dequant, nvfp4_gemv, use_fused
 from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
+from ftchat.kernels.gdn_prefill import chunk_scan, gdn_prefill_supported
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import fuse_layers, fuse_rows, gated_rms_norm, l2norm
 from ftchat.model.nvfp4 import Nvfp4Weight
@@ -80,11 +83,19 @@ def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S
     """`delta_rule_chunked` of one sub-block: its chunks' work at once, only the state passes
     from chunk to chunk, three small batched ops each (`chunk_states`). Shapes as there.
 
+    On CUDA with Triton (`_prefill_kernel`) the part after the solve is one Triton kernel
+    (ftchat/kernels/gdn_prefill.py `chunk_scan`): it walks the chunks with the state in
+    registers and writes the output, so the chunk states are never formed; the decay, L, the
+    solve and A = (q kᵀ) * decay stay batched torch ops over all chunks. Elsewhere the torch
+    code below runs, the reference (its bits do not depend on the kernel's existence).
+
     Memory (E = the bytes of one fp32 [B, Hv, T, dk] tensor; with dk = dv, C = 64 a [.., C, C]
     tensor is E / 2 and the chunk states 2 E): besides the inputs, at most 6.5 E are live at
     once (the decay, the solve's [U | Wk] 2 E, the states 2 E, q e^gamma and its product with
     the states), plus 3 E of padded copies when T is not a multiple of 64; intermediates are
-    freed as soon as they are used and V' overwrites U.
+    freed as soon as they are used and V' overwrites U. The kernel path peaks at the solve,
+    4.5 E (L, its right-hand sides and output; the decay is freed before it and formed again
+    after): 2 E less.
     """
     B, H, T, dk = k.shape
     dv = v.shape[-1]
@@ -96,12 +107,13 @@ def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S
     q, k, v = (t.unflatten(2, (n, CHUNK)) for t in (q, k, v))  # [B, H, n, C, d]
     g, beta = (t.unflatten(2, (n, CHUNK)) for t in (g, beta))  # [B, H, n, C]
     gamma = g.cumsum(-1)
-    # D: e^(gamma_t - gamma_s) for s <= t, else 0; the upper triangle is zeroed before the exp
-    # (no overflow; exp(-inf) is ~2x slower on the CPU) and after
-    decay = _exp_((gamma[..., :, None] - gamma[..., None, :]).tril_()).tril_()
+    decay = _decay(gamma)  # [B, H, n, C, C]
     e_gamma = _exp_(gamma.clone())  # [B, H, n, C]
     kb = k * beta[..., None]
     L = ((kb @ k.transpose(-1, -2)) * decay).tril_(-1)  # [B, H, n, C, C] strictly lower
+    kernel = _prefill_kernel(k, dk, dv)
+    if kernel:  # formed again after the solve: not alive during it
+        del decay
     # (I + L)^-1 of both right-hand sides in one solve; unitriangular: the unit diagonal is
     # implied. rhs = [v beta | kb e^gamma] (written in place: no temporaries). Not solved in
     # place: out=rhs solves the transposed system (rhs is row-major), other bits
@@ -111,6 +123,10 @@ def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S
     del kb
     X = torch.linalg.solve_triangular(L, rhs, upper=False, unitriangular=True)
     del L, rhs
+    if kernel:  # the scan and the output in one launch: no chunk states
+        A = (q @ k.transpose(-1, -2)).mul_(_decay(gamma))  # [B, H, n, C, C]
+        return chunk_scan(q.flatten(2, 3), k.flatten(2, 3), gamma.flatten(2, 3), A, X,
+                          S)[:, :, :T]
     U, Wk = X.split([dv, dk], dim=-1)  # [B, H, n, C, dv], [B, H, n, C, dk]
     last = gamma[..., -1:]  # [B, H, n, 1]
     k_decay = k * _exp_(last - gamma)[..., None]  # k_t e^(gamma_last - gamma_t)
@@ -122,6 +138,18 @@ def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S
     del decay
     out += qk @ U  # U holds V' now
     return out.flatten(2, 3)[:, :, :T]
+
+
+def _decay(gamma: Tensor) -> Tensor:
+    """D [.., C, C]: e^(gamma_t - gamma_s) for s <= t, else 0; the upper triangle is zeroed
+    before the exp (no overflow; exp(-inf) is ~2x slower on the CPU) and after."""
+    return _exp_((gamma[..., :, None] - gamma[..., None, :]).tril_()).tril_()
+
+
+def _prefill_kernel(t: Tensor, dk: int, dv: int) -> bool:
+    """Whether delta_rule_block runs its scan and output as the Triton kernel
+    (ftchat/kernels/gdn_prefill.py): CUDA tensors with Triton (`use_fused`), supported dims."""
+    return use_fused(t) and gdn_prefill_supported(dk, dv)
 
 
 # e^x for x below this is subnormal in fp32 (nothing next to the other terms of a sum), and the
@@ -137,6 +165,8 @@ def _exp_(x: Tensor) -> Tensor:
 def chunk_states(S: Tensor, e: Tensor, kd: Tensor, U: Tensor, Wk: Tensor) -> Tensor:
     """The state entering each chunk [B, H, n, dk, dv]; U [B, H, n, C, dv] becomes the chunks'
     corrected values v' = U - Wk S (in place); S [B, H, dk, dv] advances past the last chunk.
+    The torch path's (CPU, the reference); on CUDA gdn_prefill.chunk_scan does this and the
+    output in one kernel.
 
     Per chunk: v' = U - Wk S, then S <- e S + kdᵀ v', with e [B, H, n, 1] the chunk's total decay,
     kd, Wk [B, H, n, C, dk]: the only sequential part, three batched ops per chunk (the output,
