@@ -4,6 +4,7 @@
 #            the chunk at 24,576 (PROF_ARGS to change), resident and offloaded
 #   e2e      benchmarks/e2e48.py under --vram-budget (TOKENS, BUDGET, CHUNK, SLOTS, CONTEXT)
 #   tests    GPU test files (TESTS, space-separated, default: the prefill and offload files)
+#   gdnb     bench_gdn_prefill.py: the GDN prefill rule and mixer, torch vs the Triton scan
 #   pdl48 / offload48 / prefill48 / moe / gemv4: as device_s9.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -22,6 +23,9 @@ for mode in "$@"; do
       timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -rf -p no:cacheprovider ${TESTS:-tests/gpu/test_moe_prefill_gpu.py tests/gpu/test_offload_gpu.py tests/gpu/test_gdn_decode_gpu.py} > "$L/tests.log" 2>&1
       echo "tests rc=$?"; tail -3 "$L/tests.log"; grep -E "^FAILED|^ERROR" "$L/tests.log" | tail -15
       grep -B5 -A25 "FAILED\|Error" "$L/tests.log" | head -60 ;;
+    gdnb)
+      timeout ${GDNB_S:-120} python3 benchmarks/bench_gdn_prefill.py --out "$O/bench_gdn_prefill.json" > "$L/gdnb.log" 2>&1
+      echo "bench_gdn_prefill rc=$?"; grep -E "^(rule|mixer)_T" "$L/gdnb.log" | cut -c1-400; grep -E '"best"|"default"|Error' "$L/gdnb.log" | head -5 ;;
     *) bash benchmarks/device_s9.sh "$mode" ;;
   esac
 done
