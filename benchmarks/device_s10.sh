@@ -23,6 +23,12 @@ for mode in "$@"; do
       timeout ${TESTS_S:-200} python3 -m pytest -m gpu -q -rf -p no:cacheprovider ${TESTS:-tests/gpu/test_moe_prefill_gpu.py tests/gpu/test_offload_gpu.py tests/gpu/test_gdn_decode_gpu.py} > "$L/tests.log" 2>&1
       echo "tests rc=$?"; tail -3 "$L/tests.log"; grep -E "^FAILED|^ERROR" "$L/tests.log" | tail -15
       grep -B5 -A25 "FAILED\|Error" "$L/tests.log" | head -60 ;;
+    ptests)  # GPU test files in parallel groups (PT_GROUPS: ';'-separated file lists), tracebacks under $OUT
+      i=0; IFS=';' read -ra groups <<< "${PT_GROUPS}"
+      for grp in "${groups[@]}"; do i=$((i+1))
+        ( timeout ${TESTS_S:-170} python3 -m pytest -m gpu -q -rf --tb=short -p no:cacheprovider $grp > "$O/ptest_$i.log" 2>&1
+          echo "group $i rc=$?: $(tail -1 $O/ptest_$i.log)" ) &
+      done; wait; grep -h "^FAILED" $O/ptest_*.log | cut -c1-250 ;;
     gdnb)
       timeout ${GDNB_S:-120} python3 benchmarks/bench_gdn_prefill.py --out "$O/bench_gdn_prefill.json" > "$L/gdnb.log" 2>&1
       echo "bench_gdn_prefill rc=$?"; grep -E "^(rule|mixer)_T" "$L/gdnb.log" | cut -c1-400; grep -E '"best"|"default"|Error' "$L/gdnb.log" | head -5 ;;
