@@ -16,7 +16,10 @@ import argparse
 import dataclasses
 import json
 import sys
+import os
 import time
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as ftchat.cli
 
 import torch
 

@@ -12,6 +12,12 @@ from typing import Annotated
 
 import typer
 
+# Before torch's CUDA allocator starts: segments that grow in place instead of fixed-size
+# blocks, so the freed transients of a prefill chunk do not strand VRAM the next allocation
+# cannot use (the slack a 16 GiB budget has no room for: docs/performance.md, session 10).
+# A user's own setting wins.
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
 from ftchat.errors import FtchatError
 from ftchat.settings import Settings, resolve_settings
 

@@ -132,6 +132,9 @@ def chunk_scan(q: Tensor, k: Tensor, gamma: Tensor, A: Tensor, X: Tensor, S: Ten
     bv = block_v or default_block_v(B * H, dv)
     assert dv % bv == 0 and bv & (bv - 1) == 0 and bv >= 16
     num_warps = num_warps or (8 if dk * bv > 4096 else 4)
+    # 16-column tiles over 8 warps hit an illegal address on the H200 (bench_gdn_prefill's
+    # sweep, session 10); 16 x 4 warps and the defaults ran and matched the torch path
+    assert not (bv < 32 and num_warps > 4), "block_v 16 takes at most 4 warps"
     o = torch.empty(B, H, T, dv, dtype=torch.float32, device=k.device)
     _chunk_scan_kernel[(B * H, dv // bv)](
         q, k, gamma, A, X, S, o, T, n, *X.stride(), *S.stride(),

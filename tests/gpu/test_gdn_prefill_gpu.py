@@ -390,8 +390,9 @@ def _peak(fn) -> int:
 @pytest.mark.parametrize("B, H, t, dk, dv", [(1, 4, 256, 128, 128), (2, 3, 128, 16, 16)] + (
     [(1, 48, 1024, 128, 128)] if CUDA else []))
 def test_kernel_path_memory(B, H, t, dk, dv, kernel_on):
-    """The kernel path holds at most _kernel_rule_bytes (no chunk states) and at least the chunk
-    states less than the torch path."""
+    """The kernel path holds at most _kernel_rule_bytes (no chunk states) and at least 99 % of
+    the chunk states less than the torch path (the two peaks fall at different steps, whose
+    small tensors differ by a few KB: 1 KB and 12 KB on the H200)."""
     q, k, v, g, beta, S = _rule_inputs(B, H, t, dk, dv, seed=11)
     peaks = {}
     for on in (False, True):
@@ -404,4 +405,4 @@ def test_kernel_path_memory(B, H, t, dk, dv, kernel_on):
     print(f"peak torch {peaks[False] / 2**20:.2f} MiB, kernel {peaks[True] / 2**20:.2f} MiB, "
           f"formula {plan / 2**20:.2f} MiB", end=" ")
     assert peaks[True] <= plan * (1.15 if CUDA else 1)  # CUDA: module docstring
-    assert peaks[True] + states <= peaks[False]
+    assert peaks[True] + 0.99 * states <= peaks[False]
