@@ -178,3 +178,42 @@ def test_compute_delayed_after_every_hand_off_changes_nothing(folders, graph):
     (tokens, logits), _ = offloaded(folder, 2, graph, steps=41, slots=18, prefetch="on",
                                     patch=patch)
     assert tokens == ref[0] and torch.equal(logits, ref[1])
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_streamed_prefill_equals_resident(folders, delay):
+    """A 600-token prefill with layer streaming (chunks of 300 >= STREAM_MIN_TOKENS: each
+    layer's experts copied whole while the previous layer finishes and this one's mixer runs),
+    a warm slot cache feeding part of them: the logits of the all-resident prefill, bit for bit.
+    With delay, a sleep on the compute stream after every hand-off lets the copy stream run
+    ahead of all later compute work: the copy of layer L+1 must still wait for layer L's expert
+    kernel, which reads the same staging rows."""
+    from ftchat.engine import Decoder
+    from ftchat.offload import backend
+
+    folder = folders["nvfp4-modelopt"]
+    m = model(folder)
+    ids = torch.randint(0, 500, (600,), generator=torch.Generator().manual_seed(6))
+    ref = Decoder(m, resident_backend(m), 1, 640, prefill_chunk=300).prefill(0, ids, 0)
+    ex = build_experts(m, Settings(batch_size=1, slots=24, prefetch="on"))
+    list(generate(m, PROMPTS[1], 20, ex, graph=False))  # warm the cache
+    staged = ex.for_prefill()
+    assert 300 >= backend.STREAM_MIN_TOKENS and staged.stream_layers
+    if delay:
+        orig = staged.streams.hand_off
+
+        def hand_off(stream, *inputs):
+            orig(stream, *inputs)
+            torch.cuda._sleep(2_000_000)
+
+        staged.streams.hand_off = hand_off
+    host, slots = int(staged.rows_from_host), int(staged.rows_from_slots)
+    got = Decoder(m, ex, 1, 640, prefill_chunk=300).prefill(0, ids, 0)
+    if delay:
+        staged.streams.hand_off = orig
+    assert torch.equal(got, ref)
+    E, L = m.args.num_experts, m.args.num_hidden_layers
+    # layers 1.. of both chunks copied whole (from the host or their slots); layer 0 on demand
+    copied = int(staged.rows_from_host) - host + int(staged.rows_from_slots) - slots
+    assert 2 * (L - 1) * E < copied <= 2 * L * E
+    assert int(staged.rows_from_slots) > slots
