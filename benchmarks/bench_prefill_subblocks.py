@@ -48,8 +48,9 @@ def main() -> None:
         for sub in (1024, 1 << 30):
             q.HC_SUBBLOCK = ple.PLE_SUBBLOCK = sub
             key = f"T{T}_" + ("sub1024" if sub == 1024 else "whole")
-            out[f"hc_{key}"] = timed(lambda: q.hc_write_read(R, y, s, hw, a))
-            out[f"ple_{key}"] = timed(lambda: ple.ple_layer(R, ids, pw, pst, a))
+            out[f"hc_{key}"] = timed(lambda R=R, y=y, s=s, hw=hw: q.hc_write_read(R, y, s, hw, a))
+            out[f"ple_{key}"] = timed(lambda R=R, ids=ids, pw=pw, pst=pst:
+                                      ple.ple_layer(R, ids, pw, pst, a))
             print(key, out[f"hc_{key}"], out[f"ple_{key}"], flush=True)
     print(json.dumps({k: [round(v[0], 3), round(v[1], 1)] for k, v in out.items()}))
 
