@@ -20,6 +20,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from bench_moe_prefill import time_ms  # CUDA-event median (run from benchmarks/ as a script)
 
 from ftchat.kernels import fused_kernels
 from ftchat.kernels import gdn_prefill as gp
@@ -33,18 +34,7 @@ REPS = 10
 
 def ms(fn, reps: int = REPS) -> float:
     """Median ms of fn() after two warm-up calls (compile, cuBLAS workspaces)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    return time_ms(fn, 2, reps)
 
 
 def peak(fn) -> int:
