@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Session 11's device calls. Usage: run(command="bash benchmarks/device_s11.sh MODE...")
+#   ncu      Nsight Compute on the decode step's heaviest kernels (benchmarks/ncu_decode.py, bs BS)
+#   others   as device_s10.sh (tests, ptests, e2e, prefill48, pdl48, offload48, ...)
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/out}; mkdir -p "$O"
+L=/tmp/s11logs; mkdir -p $L
+for mode in "$@"; do
+  case $mode in
+    ncu)
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      echo "ncu: $NCU"
+      timeout ${NCU_S:-240} "$NCU" --clock-control none --target-processes all \
+        -k "regex:${NCU_K:-_nvfp4_gemv|_gate_up|_down_combine|_down_split|_up_split|_topk_softmax|_gemv_kernel}" \
+        --launch-skip ${NCU_SKIP:-7} --launch-count ${NCU_COUNT:-7} \
+        --section SpeedOfLight --section WarpStateStats --section InstructionStats \
+        --section SchedulerStats --section Occupancy --section LaunchStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python3 benchmarks/ncu_decode.py --bs ${BS:-1} > "$O/ncu_bs${BS:-1}.txt" 2> "$L/ncu.err"
+      echo "ncu rc=$?"; tail -5 "$L/ncu.err"
+      grep -E '^  _|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc A|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy|Stall' "$O/ncu_bs${BS:-1}.txt" | cut -c1-150 | head -120 ;;
+    *) bash benchmarks/device_s10.sh "$mode" ;;
+  esac
+done
