@@ -58,13 +58,25 @@ def main() -> int:
            round(plan.total / vp.GIB, 3)}
     print(json.dumps({"plan": out}), file=sys.stderr, flush=True)
 
+    mib = (lambda: torch.cuda.memory_allocated() / vp.MIB) if args.device == "cuda" else (
+        lambda: 0.0)
+    measured = {}  # MiB allocated by each stage (the plan's groups, planned beside them)
+    base = mib()
     t = time.perf_counter()
     m = synthetic_model(args.preset, args.layers, "nvfp4-modelopt", args.device, torch.bfloat16,
                         dense=args.dense)
     out["build_s"] = round(time.perf_counter() - t, 1)
+    measured["dense weights"] = mib() - base
+    at = mib()
     ex = engine.build_experts(m, s)
+    measured["slot bank, maps"] = mib() - at
+    at = mib()
     dec = engine.Decoder(m, ex, 1, context, prefill_chunk=args.chunk, graph=args.device == "cuda",
                          kv_dtype=s.kv_torch_dtype())
+    measured["decode state (KV, QSA keys, GDN, PLE)"] = mib() - at
+    steady = mib()
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, min(1000, a.vocab_size), (args.tokens,)).tolist()
     marks: dict[str, float] = {}
 
@@ -78,6 +90,9 @@ def main() -> int:
     steps = engine.decode(dec, [ids], [0], [args.new], on_prefill=progress)
     first = next(steps)  # the prefill (and its logits: the first token), no decode step yet
     pre = first.prefill_s[0]
+    if args.device == "cuda":  # staging (own or none when lent) and the prefill's transients
+        measured["prefill: staging + transients (peak over steady)"] = (
+            torch.cuda.max_memory_allocated() / vp.MIB - steady)
     out.update(prefill_s=round(pre, 1), prefill_tok_s=round(args.tokens / pre, 1),
                prefill_stats=ex.stats())
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -91,6 +106,18 @@ def main() -> int:
     out.update(first_step_s=round(t2 - t1, 2), decoded=n,
                decode_tok_s=round(n / (time.perf_counter() - t2), 1) if n else None)
     out.update(vp.peak_report(m.device, vp.budget_bytes(s)))
+    groups = {"dense weights": set(vp.DENSE_KINDS),
+              "slot bank, maps": {"expert slot bank", "slot maps", "copy plans (estimate)"},
+              "decode state (KV, QSA keys, GDN, PLE)": {
+                  "KV cache (K and V)", "QSA index keys", "QSA block keys", "GDN recurrent state",
+                  "GDN conv state", "PLE state"},
+              "prefill: staging + transients (peak over steady)": {
+                  "prefill staging", "activations and workspaces (estimate)"}}
+    out["per_item_mib"] = {g: {"planned": round(sum(i.nbytes for i in plan.items if i.name in names)
+                                                / vp.MIB, 1),
+                               "measured": round(measured[g], 1) if g in measured else None}
+                           for g, names in groups.items()}
+    out["plan_items_mib"] = {i.name: round(i.nbytes / vp.MIB, 1) for i in plan.items}
     print(json.dumps(out, default=str))
     return 0
 

@@ -28,6 +28,7 @@ from ftchat.model.config import ModelArgs
 from ftchat.model.nvfp4 import Nvfp4Weight, nvfp4_bytes
 from ftchat.model.rows import RowLayout
 from ftchat.model.spec import dense_specs
+from ftchat.offload.backend import LEND_STAGING_FACTOR, lends_staging
 from ftchat.offload.experts import EXPERT_GROUP
 
 if TYPE_CHECKING:
@@ -262,11 +263,19 @@ def expert_side_items(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Wo
     if w.resident_rows:
         out.append(Item("resident expert rows", N * R, f"bench's resident arms: {N:,} rows x "
                         f"{R:,} B"))
-    staging = nb * ((E + 1) * R + 2 * 8) if w.cuda else 0
+    own = [s for s in sizes if not lends_staging(s, E)]  # banks too small to lend E+1 slots
+    # the rows (banks that keep their own) and two int64 row counters per bank
+    staging = (len(own) * (E + 1) * R + nb * 2 * 8) if w.cuda else 0
+    if not w.cuda:
+        how = "none: CPU prefill reads the host rows"
+    elif own:
+        how = (f"{len(own)} x [{E + 1}, {R:,}] u8 (CUDA prefill copies each layer's experts "
+               f"here; a bank of >= {LEND_STAGING_FACTOR * (E + 1):,} slots lends its own)")
+    else:
+        how = (f"no rows: each bank lends its last {E + 1} slots (>= "
+               f"{LEND_STAGING_FACTOR * (E + 1):,} slots), emptied at each prefill call")
     out += [
-        Item("prefill staging", staging,
-             f"{nb} x [{E + 1}, {R:,}] u8 (CUDA prefill copies each layer's experts here)"
-             if w.cuda else "none: CPU prefill reads the host rows"),
+        Item("prefill staging", staging, how),
         Item("slot maps", maps, f"{nb} bank(s): slot_of [{N + 1}] i32, id_of/key [S+1] i32/i64, "
              "clock, counters, measure and candidate buffers"),
         Item("copy plans (estimate)", nb * _copy_plans(a, dtype.itemsize, w),
@@ -609,13 +618,27 @@ def plan(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Workload, slots
 
 def slots_that_fit(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Workload,
                    budget: int) -> int:
-    """Slots per auto-sized bank within `budget` bytes (the plan is linear in them), at most
-    N; 0 when not even an empty bank fits (or no bank is auto-sized)."""
-    base = plan(a, layout, dtype, w, 0).total
-    per = plan(a, layout, dtype, w, 1).total - base
-    if per == 0 or budget < base:
-        return 0
-    return min(a.num_hidden_layers * a.num_experts, (budget - base) // per)
+    """Slots per auto-sized bank within `budget` bytes, at most N; 0 when not even an empty bank
+    fits (or no bank is auto-sized). The plan is linear in the slots on each side of the count
+    from which a bank lends its staging area (`lends_staging`): first the count with the staging
+    lent, kept if it reaches that threshold; else the count with a staging buffer of its own
+    (lower, so below the threshold as well)."""
+    N = a.num_hidden_layers * a.num_experts
+
+    def linear_from(s0: int) -> int | None:  # the count the line through s0, s0 + 1 reaches
+        base = plan(a, layout, dtype, w, s0).total
+        per = plan(a, layout, dtype, w, s0 + 1).total - base
+        if per == 0 or budget < base:
+            return None
+        return s0 + (budget - base) // per
+
+    lend_at = LEND_STAGING_FACTOR * (a.num_experts + 1)
+    if w.cuda and lend_at <= N:
+        lent = linear_from(lend_at)
+        if lent is not None:
+            return min(N, lent)
+    own = linear_from(0)
+    return 0 if own is None else min(N, own)
 
 
 def max_context(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Workload, budget: int,

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from ftchat.engine import resident_backend
+from ftchat.offload.cache import check_invariants
+from ftchat.settings import Settings
 from tests.offload_util import STEPS, InvariantChecker, model, reference, run
 
 
@@ -224,3 +226,69 @@ def test_streamed_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4, monk
     bad = host.clone()
     bad[absent] ^= 0x5A
     assert not torch.equal(_streamed_prefill(m, bad, slots, ids, monkeypatch)[0], ref)
+
+
+def _lent_run(folder, monkeypatch, slots: int, empty: bool = True):
+    """Two prompts decoded with one backend whose prefill takes the CUDA staging path (stream
+    emulation), the staging lent from the bank's last E+1 slots; empty=False: the slots are
+    not emptied before they are lent (the control)."""
+    from ftchat.engine import build_experts, generate
+    from ftchat.offload import cache as sc
+    from tests.offload_util import PROMPTS
+
+    m = model(folder)
+    ex = build_experts(m, Settings(slots=slots, batch_size=1))
+    monkeypatch.setattr(ex, "for_prefill", ex.staged_prefill)
+    if not empty:
+        monkeypatch.setattr(sc, "empty_slots", lambda maps, lo, hi: None)
+    out, held = [], []
+    for _ in range(2):  # the second prefill lends slots that the first decode filled
+        out += list(generate(m, PROMPTS[1], 30, ex))
+        E = m.args.num_experts
+        held.append(int((ex.maps.id_of[slots - E - 1:slots] >= 0).sum()))
+    return [s.tokens for s in out], torch.stack([s.logits for s in out]), ex, held
+
+
+def test_lent_staging_changes_no_bit(tiny_nvfp4, monkeypatch):
+    """A bank of >= 2 x (E+1) slots lends its last E+1 slots to prefill's staging (no VRAM of
+    its own): each prefill empties them on the compute stream, stages every layer's experts
+    there, and decode refills them; two prompts in a row give the all-resident tokens and
+    logits, the maps stay sound, and the staging is the bank's own rows. Control: lending the
+    slots without emptying them leaves maps that point at staged bytes, and the logits move."""
+    from ftchat.offload.backend import lends_staging
+
+    m = model(tiny_nvfp4)
+    E, S = m.args.num_experts, 40
+    assert lends_staging(S, E) and not lends_staging(2 * (E + 1) - 1, E)
+    tokens, logits, ex, held = _lent_run(tiny_nvfp4, monkeypatch, S)
+    ref_tokens, ref_logits = reference(tiny_nvfp4, 1, 30)
+    assert tokens == ref_tokens * 2 and torch.equal(logits, torch.cat([ref_logits] * 2))
+    assert held[0] > 0  # decode did use the lent slots between the two prefills
+    assert check_invariants(ex.maps) == []
+    staging, bank = ex.staged.staging, ex.bank
+    assert staging.untyped_storage().data_ptr() == bank.untyped_storage().data_ptr()
+    assert staging.data_ptr() == bank[S - E - 1].data_ptr() and staging.shape[0] == E + 1
+    assert int(ex.staged.rows_from_host) > 0
+
+    _, bad_logits, _, _ = _lent_run(tiny_nvfp4, monkeypatch, S, empty=False)
+    assert not torch.equal(bad_logits, torch.cat([ref_logits] * 2))
+
+
+def test_a_small_bank_keeps_its_own_staging(tiny_nvfp4):
+    """Below 2 x (E+1) slots the staging is a buffer of its own and prefill leaves the maps
+    untouched (the behaviour small caches had before lending)."""
+    from ftchat.engine import build_experts, generate, prefill
+    from ftchat.model.state import DecodeState
+    from tests.offload_util import PROMPTS
+
+    m = model(tiny_nvfp4)
+    ex = build_experts(m, Settings(slots=24, batch_size=1))
+    list(generate(m, PROMPTS[1], 12, ex))
+    before = [t.clone() for t in (ex.maps.slot_of, ex.maps.id_of, ex.maps.key)]
+    staged = ex.staged_prefill()
+    assert not ex.lends_staging
+    assert staged.staging.untyped_storage().data_ptr() != ex.bank.untyped_storage().data_ptr()
+    st = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
+    prefill(m, st, 0, torch.tensor(PROMPTS[1][0]), 0, staged)
+    assert all(torch.equal(x, y) for x, y in
+               zip(before, (ex.maps.slot_of, ex.maps.id_of, ex.maps.key)))

@@ -129,6 +129,38 @@ def test_slot_items_are_the_offload_backends(tiny_nvfp4):
     assert real == cuda["prefill staging"] and p["prefill staging"] == 0
 
 
+def test_lent_staging_items_are_the_backends(tiny_nvfp4):
+    """From 2 x (E+1) slots the staging rows are the bank's (the plan's item: the counters
+    alone); one slot fewer, a buffer of its own (the item: rows and counters)."""
+    m = load_model(tiny_nvfp4, "cpu", F32)
+    a = m.args
+    w = vp.Workload(64, cuda=True, candidates=6)
+    for slots, lent in ((2 * (a.num_experts + 1), True), (2 * (a.num_experts + 1) - 1, False)):
+        ex = build_experts(m, Settings(slots=slots, device="cpu", candidates=6))
+        staged = ex.staged_prefill()
+        shares = staged.staging.untyped_storage().data_ptr() == ex.bank.untyped_storage().data_ptr()
+        own = 0 if shares else staged.staging.nbytes
+        real = own + staged.rows_from_host.nbytes + staged.rows_from_slots.nbytes
+        planned = items(vp.plan(a, m.layout, F32, w, slots))["prefill staging"]
+        assert shares == lent and planned == real
+
+
+def test_slots_that_fit_is_the_most_that_fit_across_the_lending_threshold(tiny_nvfp4):
+    """The plan drops by the staging rows where a bank starts lending them (2 x (E+1) slots):
+    slots_that_fit is still the largest count whose plan fits, for budgets at and just under
+    every count's total (brute force over all counts)."""
+    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
+    w = vp.Workload(64, cuda=True)
+    N = a.num_hidden_layers * a.num_experts
+    lend_at = 2 * (a.num_experts + 1)
+    assert lend_at < N
+    totals = [vp.plan(a, layout, F32, w, s).total for s in range(N + 1)]
+    assert totals[lend_at] < totals[lend_at - 1]  # the staging rows are gone
+    for budget in sorted({t + d for t in totals for d in (-1, 0)}):
+        fits = [s for s, t in enumerate(totals) if t <= budget]
+        assert vp.slots_that_fit(a, layout, F32, w, budget) == max(fits, default=0), budget
+
+
 def test_slots_that_fit_fill_the_budget_exactly(tiny_nvfp4):
     a, layout = vp.checkpoint_inputs(tiny_nvfp4)
     w = vp.Workload(64, cuda=False)

@@ -9,8 +9,9 @@ One MoE block of layer L (docs/design.md section 3), in program order:
   compute:   shared expert (overlaps the copies), wait demand_done(L), routed expert kernel
 Every slot-map write (ensure, prefetch_ensure) is issued on the compute stream.
 Prefill runs through `for_prefill()`: it reads its experts from the host rows (CPU) or a staging
-area (CUDA: host rows, and slots the cache holds) and leaves the slot cache untouched; on a
-large chunk the next layer's experts stream into that area while this layer's mixer runs.
+area (CUDA: host rows, and slots the cache holds); on a large chunk the next layer's experts
+stream into that area while this layer's mixer runs. A large cache lends its last E+1 slots as
+that area (emptied at each prefill call); a small one keeps its own and is left untouched.
 Legend: T tokens, D hidden, K top-k, C candidates, S slots, R row bytes.
 """
 
@@ -140,13 +141,34 @@ class OffloadExperts:
     # ===== ExpertBackend =====
     def for_prefill(self) -> ResidentExperts | StagedExperts:
         """Prefill reads its experts from the host rows (CPU) or a staging area (CUDA, filled
-        from the host and from the slots it finds resident) and leaves the slot cache untouched."""
+        from the host and from the slots it finds resident: `staged_prefill`)."""
         if self.device.type == "cpu":
             return ResidentExperts(self.host, self.layout, self.num_experts)
+        return self.staged_prefill()
+
+    @property
+    def lends_staging(self) -> bool:
+        """The staging area is the bank's last E+1 slots (see `staged_prefill`)."""
+        return lends_staging(self.cfg.num_slots, self.num_experts)
+
+    def staged_prefill(self) -> StagedExperts:
+        """The staging backend for one prefill call: CUDA's path, and on the CPU (stream
+        emulation) the tests'. With at least LEND_STAGING_FACTOR x (E+1) slots the staging area
+        is the bank's last E+1 slots, so it costs no VRAM of its own (1.33 GiB at flash-next's
+        geometry: ~510 more slots in a 16 GB plan): they are emptied here at every call, on the
+        compute stream (the maps' one writer), after every prefetch copy has been joined, and
+        decode refills them on demand afterwards. A smaller cache gets a staging buffer of its
+        own and is left untouched by prefill."""
+        E, S = self.num_experts, self.cfg.num_slots
         if self.staged is None:
-            self.staged = StagedExperts(self.host, self.layout, self.num_experts, self.device,
-                                        self.streams, self.cfg.copy_programs,
-                                        (self.maps.slot_of, self.bank))
+            staging = self.bank[S - E - 1:S] if self.lends_staging else None  # not the sink row
+            self.staged = StagedExperts(self.host, self.layout, E, self.device, self.streams,
+                                        self.cfg.copy_programs, (self.maps.slot_of, self.bank),
+                                        staging=staging)
+        if self.lends_staging:
+            for done in self.prefetch_done:  # joined already unless a decode step was cut short
+                self.streams.wait("compute", done)
+            self._run_compute(lambda: sc.empty_slots(self.maps, S - E - 1, S))
         return self.staged
 
     def reset(self) -> None:
@@ -284,6 +306,18 @@ class OffloadExperts:
         self.hooks.after_copy(self.view, plan, layer, kind)
 
 
+# The staging area is lent from the slot bank when the bank has at least this many times E+1
+# slots: a prefill then empties at most half of the decode cache, and small caches (the tests'
+# tiny models among them) keep a staging buffer of their own
+LEND_STAGING_FACTOR = 2
+
+
+def lends_staging(num_slots: int, num_experts: int) -> bool:
+    """Whether a bank of num_slots lends its last E+1 slots to prefill's staging (vram_plan.py
+    plans the same)."""
+    return num_slots >= LEND_STAGING_FACTOR * (num_experts + 1)
+
+
 # Prefill chunks of at least this many tokens stream the next layer's experts (all of them):
 # with top-10 of 512 experts, 256 tokens leave ~0.7 % of a layer's experts unrouted
 STREAM_MIN_TOKENS = 256
@@ -301,8 +335,9 @@ class _Ahead:
 
 class StagedExperts(_NoCache):
     """Prefill on CUDA: each layer's routed experts are copied into a staging area [E+1, R]
-    separate from the slot cache, then read from there. Experts the slot cache holds are copied
-    from their slots (device to device) instead of crossing PCIe again; the maps are only read.
+    (its own buffer, or slots the cache lent and emptied), then read from there. Experts the
+    slot cache holds are copied from their slots (device to device) instead of crossing PCIe
+    again; the maps are only read here.
 
     Layer streaming: once layer L's routed-expert kernel is issued on a chunk of at least
     STREAM_MIN_TOKENS tokens, the copy stream waits for it (the kernel reads staging) and copies
@@ -315,13 +350,16 @@ class StagedExperts(_NoCache):
 
     def __init__(self, host: Tensor, layout: RowLayout, num_experts: int, device: torch.device,
                  streams: CpuStreams | CudaStreams, programs: int, slots: tuple[Tensor, Tensor],
-                 stream_layers: bool = True):
+                 stream_layers: bool = True, staging: Tensor | None = None):
         self.host, self.layout, self.E, self.streams, self.programs = (
             host, layout, num_experts, streams, programs)
         self.slot_of, self.bank = slots  # the decode cache's [N+1] map and [S+1, R] bank: read only
         self.num_layers = (self.slot_of.numel() - 1) // num_experts
         self.stream_layers = stream_layers
-        self.staging = torch.empty(num_experts + 1, layout.nbytes, dtype=torch.uint8, device=device)
+        # [E+1, R]: given (rows of the bank that the caller emptied) or a buffer of its own
+        self.staging = torch.empty(num_experts + 1, layout.nbytes, dtype=torch.uint8,
+                                   device=device) if staging is None else staging
+        assert self.staging.shape == (num_experts + 1, layout.nbytes)
         self.rows_from_host = torch.zeros((), dtype=torch.int64, device=device)
         self.rows_from_slots = torch.zeros((), dtype=torch.int64, device=device)
         self.ahead: _Ahead | None = None

@@ -146,6 +146,19 @@ def clear(maps: SlotMaps) -> None:
         t.zero_()
 
 
+def empty_slots(maps: SlotMaps, lo: int, hi: int) -> None:
+    """Empty slots [lo, hi) in place: their experts become absent, their keys empty (lent to
+    prefill's staging: offload/backend.py `OffloadExperts.staged_prefill`). Keeps the invariants;
+    the clock and the counters are untouched. No host sync."""
+    n, s = maps.num_ids, maps.num_slots
+    assert 0 <= lo <= hi <= s, f"slots [{lo}, {hi}) outside [0, {s})"
+    slots = torch.arange(lo, hi, device=maps.id_of.device)
+    old = maps.id_of[slots].long()
+    _write(maps, "slot_of", torch.where(old >= 0, old, n), torch.full_like(old, -1))
+    _write(maps, "id_of", slots, torch.full_like(old, -1))
+    _write(maps, "key", slots, torch.full_like(old, EMPTY_BASE))
+
+
 def _first_occurrence(ids: Tensor) -> Tensor:
     """[X] bool: True where ids[i] differs from every earlier entry (dedup without a sync)."""
     pos = torch.arange(ids.shape[0], device=ids.device)

@@ -188,7 +188,10 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
     from ftchat import vram_plan as vp
 
     given = w.banks[0]
-    p = vp.plan(a, layout, GPU_DTYPE, w, given or 0)
+    shown = given  # the slot count the table is at: given, else the first budget's (if any fit)
+    if given is None and vram_gib:
+        shown = vp.slots_that_fit(a, layout, GPU_DTYPE, w, int(vram_gib[0] * vp.GIB)) or None
+    p = vp.plan(a, layout, GPU_DTYPE, w, shown or 0)
     rows = ", ".join(map(str, w.decoders))
     kv = ", K/V cache fp8" if w.kv_cache_dtype == "fp8" else ""
     table = Table(title=f"VRAM plan: context {w.context:,}, decoder rows {rows}, prefill "
@@ -200,17 +203,19 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
     for it in p.items[:-1]:
         table.add_row(it.name, f"{it.nbytes / vp.GIB:.3f}", f"{it.nbytes:,}",
                       "exact" if it.exact else "estimate", it.note)
-    bank = p.items[-1]  # at 0 slots: the sink row alone
+    bank = p.items[-1]
     per = vp.plan(a, layout, GPU_DTYPE, w, 1).total - vp.plan(a, layout, GPU_DTYPE, w, 0).total
-    if given is None:
+    if shown is None:
         table.add_row("total before the slots", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "",
                       f"everything above, plus the slot bank's sink row ({layout.nbytes:,} B)")
-        table.add_row("per expert slot", f"{per / vp.GIB:.5f}", f"{per:,}", "exact",
-                      f"one {layout.kind} row ({layout.nbytes:,} B) + its id_of/key entries")
     else:
         table.add_row(bank.name, f"{bank.nbytes / vp.GIB:.3f}", f"{bank.nbytes:,}", "exact",
                       bank.note)
-        table.add_row("total", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "", "")
+        table.add_row("total", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "",
+                      "" if given is not None else f"at the slots that fit {vram_gib[0]:g} GiB")
+    if given is None:
+        table.add_row("per expert slot", f"{per / vp.GIB:.5f}", f"{per:,}", "exact",
+                      f"one {layout.kind} row ({layout.nbytes:,} B) + its id_of/key entries")
     Console(file=out, width=None if out.isatty() else 170).print(table)
     for gib in vram_gib:
         out.write(_budget_line(a, layout, w, gib) + "\n")

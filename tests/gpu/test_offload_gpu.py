@@ -180,14 +180,15 @@ def test_compute_delayed_after_every_hand_off_changes_nothing(folders, graph):
     assert tokens == ref[0] and torch.equal(logits, ref[1])
 
 
-@pytest.mark.parametrize("delay", [False, True])
-def test_streamed_prefill_equals_resident(folders, delay):
+@pytest.mark.parametrize("delay,num_slots", [(False, 24), (True, 24), (False, 40), (True, 40)])
+def test_streamed_prefill_equals_resident(folders, delay, num_slots):
     """A 600-token prefill with layer streaming (chunks of 300 >= STREAM_MIN_TOKENS: each
     layer's experts copied whole while the previous layer finishes and this one's mixer runs),
     a warm slot cache feeding part of them: the logits of the all-resident prefill, bit for bit.
     With delay, a sleep on the compute stream after every hand-off lets the copy stream run
     ahead of all later compute work: the copy of layer L+1 must still wait for layer L's expert
-    kernel, which reads the same staging rows."""
+    kernel, which reads the same staging rows. 40 slots (>= 2 x (E+1)) lend their last E+1 as
+    the staging area; then a decode after the prefill still gives the resident tokens."""
     from ftchat.engine import Decoder
     from ftchat.offload import backend
 
@@ -195,10 +196,11 @@ def test_streamed_prefill_equals_resident(folders, delay):
     m = model(folder)
     ids = torch.randint(0, 500, (600,), generator=torch.Generator().manual_seed(6))
     ref = Decoder(m, resident_backend(m), 1, 640, prefill_chunk=300).prefill(0, ids, 0)
-    ex = build_experts(m, Settings(batch_size=1, slots=24, prefetch="on"))
+    ex = build_experts(m, Settings(batch_size=1, slots=num_slots, prefetch="on"))
     list(generate(m, PROMPTS[1], 20, ex, graph=False))  # warm the cache
     staged = ex.for_prefill()
     assert 300 >= backend.STREAM_MIN_TOKENS and staged.stream_layers
+    assert ex.lends_staging == (num_slots == 40)
     if delay:
         orig = staged.streams.hand_off
 
@@ -217,3 +219,8 @@ def test_streamed_prefill_equals_resident(folders, delay):
     copied = int(staged.rows_from_host) - host + int(staged.rows_from_slots) - slots
     assert 2 * (L - 1) * E < copied <= 2 * L * E
     assert int(staged.rows_from_slots) > slots
+    if ex.lends_staging:  # decode refills the lent slots: still the resident run, graph replay too
+        for graph in (False, True):
+            tokens, logits = tokens_and_logits(generate(m, PROMPTS[1], 41, ex, graph=graph))
+            ref_run = resident(folder, 1, graph, 41)
+            assert tokens == ref_run[0] and torch.equal(logits, ref_run[1])
