@@ -22,11 +22,20 @@ streams = [s == "1" for s in os.environ.get("STREAM", "1,0").split(",")]
 for chunk in chunks:
     for stream in streams:  # layer streaming on / off, side by side
         torch.cuda.reset_peak_memory_stats()
-        res = bench_prefill(m, Settings(slots=1650, prefill_chunk=chunk), lengths, stream)
+        copied = {}
+        res = bench_prefill(m, Settings(slots=1650, prefill_chunk=chunk), lengths, stream, copied)
         key = f"{chunk}" + ("" if stream else ":nostream")
         out["tok_s"][key] = {n: round(v, 1) for n, v in res.items()}
+        out.setdefault("copy_mb_per_token", {})[key] = {n: round(b / n / 1e6, 2) for n, b in copied.items()}
         out.setdefault("peak_reserved_gib", {})[key] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
-        print(key, out["tok_s"][key], file=sys.stderr, flush=True)
+        print(key, out["tok_s"][key], out["copy_mb_per_token"][key], file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
+if os.environ.get("RESIDENT") == "1":  # every expert in VRAM (64 GB of rows): no copies
+    for chunk in chunks:
+        res = bench_prefill(m, Settings(prefill_chunk=chunk), lengths)
+        out["tok_s"][f"{chunk}:resident"] = {n: round(v, 1) for n, v in res.items()}
+        print(f"{chunk}:resident", out["tok_s"][f"{chunk}:resident"], file=sys.stderr, flush=True)
+        torch.cuda.empty_cache()
 print(json.dumps(out))
 PY
 echo "prefill48 rc=$?"; tail -5 "$O/prefill48.err"; cat "$O/prefill48.json"

@@ -186,9 +186,10 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
 
 
 def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int],
-                  stream_layers: bool = True) -> dict:
+                  stream_layers: bool = True, copied: dict | None = None) -> dict:
     """Prefill tok/s with offloaded experts (staging area on CUDA), in chunks of
-    base.prefill_chunk tokens; stream_layers False turns the layer streaming off (an arm)."""
+    base.prefill_chunk tokens; stream_layers False turns the layer streaming off (an arm).
+    copied: filled with each length's host-to-device bytes of the timed prefill (staging)."""
     ex = build_experts(m, dataclasses.replace(base, prefetch="off"))
     staged = ex.for_prefill()
     if isinstance(staged, StagedExperts):
@@ -201,10 +202,13 @@ def bench_prefill(m: LoadedModel, base: Settings, lengths: list[int],
         dec.prefill(0, ids[:256], 0)  # warm-up
         dec.reset()
         _sync(m.device)
+        rows = int(staged.rows_from_host) if isinstance(staged, StagedExperts) else 0
         t = time.perf_counter()
         dec.prefill(0, ids, 0)
         _sync(m.device)
         out[n] = n / (time.perf_counter() - t)
+        if copied is not None and isinstance(staged, StagedExperts):
+            copied[n] = (int(staged.rows_from_host) - rows) * m.layout.nbytes
         del dec
     return out
 
