@@ -166,8 +166,10 @@ class OffloadExperts:
                                         self.cfg.copy_programs, (self.maps.slot_of, self.bank),
                                         staging=staging)
         if self.lends_staging:
-            for done in self.prefetch_done:  # joined already unless a decode step was cut short
-                self.streams.wait("compute", done)
+            # every prefetch copy is joined by its layer's step already, unless that step was cut
+            # short: wait for all the prefetch stream holds (a fresh event: the ones kept in
+            # prefetch_done may have been recorded inside a graph capture)
+            self.streams.wait("compute", self.streams.record("prefetch"))
             self._run_compute(lambda: sc.empty_slots(self.maps, S - E - 1, S))
         return self.staged
 
