@@ -474,9 +474,15 @@ def _prefill_attention(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
     kvh = Hkv * hd
     dtype = dtype or (torch.bfloat16 if act == 2 else torch.float32)
     scores = N * (2 * Hi * 4 + 4 + 4 + 1)  # select_blocks_rows' block scores, per query
-    if N <= top:  # every complete block selected: plain causal attention over L
+    if N <= top:  # every complete block selected: causal attention over L, in query chunks
         dequant = L * kvh * (8 + 2 * act) if fp8 else 0  # K, V dequantized (slices: no gather)
-        attn = T * L + dequant + 2 * Hq * L * hd * act + Hq * T * L * (2 * act + 4)
+        tq = qsa.causal_query_chunk(T, L, a)
+        attn = (T * L + dequant + 2 * Hq * L * hd * act  # the mask, the K/V repeated
+                # a chunk's inverted mask and scores: the masked ones, softmax's fp32 copy of
+                # them and its output, then the output cast to act
+                + tq * (L + Hq * L * max(act + 8, 2 * act + 4)
+                        + 3 * Hq * hd * act)  # its q copy, output and transposed output
+                + 2 * o)  # the chunk outputs so far, then their concatenation
     elif cuda and qsa.prefill_kernel_supported(a, dtype, 1):  # the kernel path, in query chunks
         tq = qsa.prefill_query_chunk(T, L, a, "cuda", True)
         S = top * r + r - 1
@@ -572,8 +578,17 @@ def workspace_items(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Work
     act, L = dtype.itemsize, w.context
     T = min(w.prefill_tokens, L)
     dec = decode_workspace(a, layout, act, w.batch, L, w.cuda)
-    pre = prefill_workspace(a, layout, act, T, L, w.cuda, w.dense_nvfp4,
-                            w.kv_cache_dtype == "fp8", dtype)
+
+    def pre_at(t: int, kv: int) -> dict[str, int]:
+        return prefill_workspace(a, layout, act, t, kv, w.cuda, w.dense_nvfp4,
+                                 w.kv_cache_dtype == "fp8", dtype)
+    pre, at = pre_at(T, L), L
+    # a call of up to T tokens ending at the longest KV length still attended causally (every
+    # complete block selected; a chat turn can end there whatever T is)
+    causal = min(L, (a.indexer_budget // a.indexer_compress_ratio + 1) * a.indexer_compress_ratio
+                 - 1)
+    if T > 1 and causal < L and sum(pre_at(min(T, causal), causal).values()) > sum(pre.values()):
+        pre, at = pre_at(min(T, causal), causal), causal
     d, p = sum(dec.values()), sum(pre.values())
     cublas = CUBLAS_WORKSPACE_BYTES * GEMM_STREAMS if w.cuda else 0
     top = max(pre, key=pre.get)
@@ -585,7 +600,7 @@ def workspace_items(a: ModelArgs, layout: RowLayout, dtype: torch.dtype, w: Work
                           "(the decode workspace of its rows)", exact=False, grows="context"))
     items.append(Item(
         "activations and workspaces (estimate)", max(d, p) + cublas,
-        f"max(prefill of {T:,} tokens at {L:,}: {_human(p)}, largest block {top} "
+        f"max(prefill of {min(T, at):,} tokens at {at:,}: {_human(p)}, largest block {top} "
         f"{_human(pre[top])}; decode step of {w.batch} row(s): {_human(d)})"
         + (f" + cuBLAS {GEMM_STREAMS} x {CUBLAS_WORKSPACE_BYTES // MIB} MiB (assumed)"
            if cublas else ""), exact=False, grows="context"))

@@ -206,3 +206,62 @@ def test_plan_covers_the_hc_prefill(T, monkeypatch):
     if T > SUB:
         monkeypatch.setattr(q, "HC_SUBBLOCK", 1 << 20)
         assert peak_bytes(call) > planned
+
+
+def _causal_call(T: int):
+    """(args, the tiny model's engine.prefill of T tokens from position 0 in bf16 on the CPU:
+    a context short enough that the QSA layers attend causally)."""
+    from ftchat.model import qsa
+
+    m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", torch.bfloat16)
+    # a budget of 512 tokens (a selection parameter, no weight depends on it): causal up to it
+    m = dataclasses.replace(m, args=dataclasses.replace(m.args, indexer_budget=512))
+    a = m.args
+    assert not qsa.sparse_prefill(T, a)
+    experts = engine.resident_backend(m)
+    ids = torch.randint(0, a.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+
+    def call():
+        state = DecodeState.create(a, 1, T, "cpu", torch.bfloat16)
+        return engine.prefill(m, state, 0, ids, 0, experts, logits_at=slice(-1, None))
+    return a, m, call
+
+
+def test_causal_query_chunks_change_no_bit(monkeypatch):
+    """The causal prefill attention in query chunks (qsa.CAUSAL_ELEMS small enough to split the
+    tiny model's queries into 2..T chunks) gives the unchunked logits, bit for bit (CPU)."""
+    from ftchat.model import qsa
+
+    a, _, call = _causal_call(200)
+    whole = call()
+    for tq in (64, 7, 1):
+        monkeypatch.setattr(qsa, "CAUSAL_ELEMS", a.num_attention_heads * 200 * tq)
+        assert qsa.causal_query_chunk(200, 200, a) == tq
+        assert torch.equal(call(), whole), tq
+
+
+def test_plan_covers_the_causal_prefill_in_query_chunks(monkeypatch):
+    """The plan's attention term (vram_plan._prefill_attention) covers the measured peak of the
+    tiny model's attention mixer on a causal prefill of T tokens whose attention runs in query
+    chunks, within 2x; control: the same call unchunked holds more than that term (the chunks
+    are what the plan relies on)."""
+    from ftchat.model import qsa
+
+    T = 256
+    a, m, _ = _causal_call(T)
+    layer = next(i for i in range(a.num_hidden_layers) if a.is_attention(i))
+    w = m.weights.layers[layer]["self_attn"]
+    x = torch.randn(1, T, a.hidden_size, generator=torch.Generator().manual_seed(1)).bfloat16()
+    pos = torch.arange(T)[None]
+
+    def call():
+        state = DecodeState.create(a, 1, T, "cpu", torch.bfloat16)
+        cache = {k: c[0:1] for k, c in state.kv[layer].items()}
+        return lambda: qsa.attention_mixer(x, w, cache, pos, T, a)
+
+    monkeypatch.setattr(qsa, "CAUSAL_ELEMS", a.num_attention_heads * T * 16)
+    planned = vp._prefill_attention(a, 2, T, T, False, False, torch.bfloat16)
+    measured = peak_bytes(call())
+    assert measured <= planned <= 2 * measured, (measured, planned)
+    monkeypatch.setattr(qsa, "CAUSAL_ELEMS", 1 << 40)
+    assert peak_bytes(call()) > planned

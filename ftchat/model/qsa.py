@@ -249,6 +249,17 @@ def attend_rows(q: Tensor, keys: Tensor, vals: Tensor, ok: Tensor) -> Tensor:
     return (probs @ vals.transpose(2, 3)).flatten(2)  # [B, T, Hkv, rep, hd] -> [B, T, Hq*hd]
 
 
+# Scores [Hq, tq, L] of the causal prefill (short contexts) per query chunk: 2^25 elements keep
+# its softmax (fp32) at 128 MiB, below the other blocks of a prefill call (vram_plan), where
+# 2,048 queries at once over 2,051 keys took ~0.9 GiB; the CPU's tests never reach it
+CAUSAL_ELEMS = 1 << 25
+
+
+def causal_query_chunk(T: int, kv_len: int, a: ModelArgs) -> int:
+    """Queries per chunk of the causal prefill: Hq x tq x kv_len <= CAUSAL_ELEMS."""
+    return max(1, min(T, CAUSAL_ELEMS // (a.num_attention_heads * kv_len)))
+
+
 def prefill_query_chunk(T: int, kv_len: int, a: ModelArgs, device: str = "cpu",
                         kernel: bool = False) -> int:
     """Queries per chunk of the sparse prefill: its largest intermediate stays within
@@ -285,8 +296,10 @@ def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: i
     `prefill_chunks`, each query over its <= budget + r - 1 selected tokens only."""
     if not sparse_prefill(kv_len, a):  # select_tokens would give the causal mask (model.md 4.2)
         causal = torch.arange(kv_len, device=pos.device) <= pos[..., None]  # [B, T, L]
-        return attend(q, *gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype), causal,
-                      a)
+        keys, vals = gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype)
+        tq = causal_query_chunk(q.shape[1], kv_len, a)
+        return torch.cat([attend(q[:, i:i + tq], keys, vals, causal[:, i:i + tq], a)
+                          for i in range(0, q.shape[1], tq)], dim=1)
     rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
     out = []
     for part, span in prefill_chunks(pos, kv_len, a):
