@@ -249,10 +249,11 @@ def attend_rows(q: Tensor, keys: Tensor, vals: Tensor, ok: Tensor) -> Tensor:
     return (probs @ vals.transpose(2, 3)).flatten(2)  # [B, T, Hkv, rep, hd] -> [B, T, Hq*hd]
 
 
-# Scores [Hq, tq, L] of the causal prefill (short contexts) per query chunk: 2^25 elements keep
-# its softmax (fp32) at 128 MiB, below the other blocks of a prefill call (vram_plan), where
-# 2,048 queries at once over 2,051 keys took ~0.9 GiB; the CPU's tests never reach it
-CAUSAL_ELEMS = 1 << 25
+# Scores [Hq, tq, L] of the causal prefill (short contexts) per query chunk: 2^24 elements keep
+# its softmax (fp32) at 64 MiB and the attention block below the sparse one at 3,072-token calls
+# (vram_plan), where 2,048 queries at once over 2,051 keys ran out of memory on the H200 under a
+# 15.9 GiB budget (a ~0.9 GiB block); the CPU's tests never reach it
+CAUSAL_ELEMS = 1 << 24
 
 
 def causal_query_chunk(T: int, kv_len: int, a: ModelArgs) -> int:
