@@ -5,6 +5,7 @@ backend really allocate for a tiny synthetic model (CPU), and a plan that cannot
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import sys
@@ -368,3 +369,29 @@ def test_bench_prints_the_peak_against_the_budget(tiny_nvfp4, capsys, monkeypatc
     assert ("VRAM peak since start: allocated 1,000 MiB, reserved 1,200 MiB (graph pools "
             "included); budget 2,048 MiB") in out
     assert vp.peak_report(torch.device("cpu"), None) == dict.fromkeys(vp.PEAK_KEYS)
+
+
+def test_the_prefill_chunk_is_chosen_from_the_plan():
+    """Under a budget the prefill chunk is the largest of PREFILL_CHUNKS that keeps 85 % of the
+    slots the smallest leaves: at flash-next's 48 layers, fp8 K/V and 16 GiB, 4,096 at 255K
+    (8,192 keeps only ~80 %) and 8,192 at 32K; with given slots, the largest whose plan fits
+    them (control: a budget that fits those slots only with smaller chunks)."""
+    a, layout = vp.synthetic_inputs("flash-next", 48, "nvfp4-modelopt", "nvfp4")
+    bf16, gib = torch.bfloat16, 2**30
+
+    def work(context, banks=(None,)):
+        return vp.Workload(context, (1,), banks, 1024, True, True, dense_nvfp4=True,
+                           kv_cache_dtype="fp8")
+    w = work(261_120)
+    slots = {c: vp.slots_that_fit(a, layout, bf16, dataclasses.replace(w, prefill_tokens=c),
+                                  16 * gib) for c in vp.PREFILL_CHUNKS}
+    assert slots[8192] < vp.CHUNK_SLOT_SHARE * slots[1024] <= slots[4096]
+    assert vp.choose_prefill_chunk(a, layout, bf16, w, 16 * gib) == 4096
+    assert vp.choose_prefill_chunk(a, layout, bf16, work(32_768), 16 * gib) == 8192
+    given = work(261_120, (1650,))
+    fits = {c: vp.plan(a, layout, bf16, dataclasses.replace(given, prefill_tokens=c),
+                       1650).total for c in vp.PREFILL_CHUNKS}
+    budget = fits[4096]  # 8,192 does not fit 1,650 slots there, 4,096 just does
+    assert fits[8192] > budget
+    assert vp.choose_prefill_chunk(a, layout, bf16, given, budget) == 4096
+    assert vp.choose_prefill_chunk(a, layout, bf16, given, fits[8192]) == 8192

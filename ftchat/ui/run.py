@@ -60,24 +60,32 @@ def apply_threads(settings: Settings) -> None:
         torch.set_num_threads(settings.threads)
 
 
-def plan_run(resolved: ResolvedModel, settings: Settings) -> None:
+def plan_run(resolved: ResolvedModel, settings: Settings) -> Settings:
     """Before loading: refuse a --vram-budget the run's VRAM plan cannot fit, or a --slots
-    below batch x top-k (one line), and cap the process at the budget on CUDA."""
+    below batch x top-k (one line), and cap the process at the budget on CUDA. Under a budget on
+    CUDA with no --prefill-chunk, the chunk is chosen from the plan (`choose_prefill_chunk`);
+    the settings returned carry it."""
     from ftchat import vram_plan as vp
 
     if settings.vram_budget_gib is None and settings.slots is None \
             and settings.expert_vram_gib is None:
-        return  # nothing to check: slots are sized after loading (free VRAM, or all on the CPU)
+        return settings  # nothing to check: slots are sized after loading (free VRAM, or CPU)
     a, layout = vp.checkpoint_inputs(resolved.path)
     w = vp.run_workload(a, layout, settings)
     w = dataclasses.replace(w, dense_nvfp4=vp.checkpoint_dense_nvfp4(resolved.path))
+    if settings.prefill_chunk is None and settings.vram_budget_gib is not None and w.cuda:
+        chunk = vp.choose_prefill_chunk(a, layout, settings.torch_dtype(), w,
+                                        vp.budget_bytes(settings))
+        settings = dataclasses.replace(settings, prefill_chunk=chunk)
+        w = dataclasses.replace(w, prefill_tokens=min(chunk, w.context))
     vp.preflight(a, layout, settings, w)
+    return settings
 
 
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
                  interactive: bool = True) -> Session:
     check_context(load_args(resolved.path), settings.context)  # before the KV cache is sized
-    plan_run(resolved, settings)
+    settings = plan_run(resolved, settings)
     quiet = settings.quiet
     if resolved.demo and not quiet:
         screen.note(demo_notice(resolved.path))
