@@ -3,11 +3,21 @@ Triton kernels, per call under CUDA-graph replay at the real geometry (D=2560, h
 E=512, K=10, bf16), and kernels per call (torch.profiler, one eager call).
 
     python benchmarks/bench_hyper_router.py --out docs/bench_hyper_router.json [--sweep]
+    python benchmarks/bench_hyper_router.py --ops route,topk --bs 1,2,8   # the top-k arms only
 
 Each graph holds REPS calls in a row, cycling through distinct weight sets (more bytes than L2),
 so the figure is a call's steady-state cost inside a long graph, weights from HBM as in decode.
-Ops: hc_read; hc_write_read (the write folded into the next read); hc_write alone; route; and
-"layer" = what one decoder layer spends on these: 2 x hc_write_read + route.
+Ops: hc_read; hc_write_read (the write folded into the next read); hc_write alone; route (the
+router GEMV + top-k); topk (the top-k kernel alone, on given logits); and "layer" = what one
+decoder layer spends on these: 2 x hc_write_read + route.
+route and topk also time the previous top-k kernel (`router_topk_triton_v0`, three warp
+reductions per pick) in the same process: "v0_us" against "fused_us" (the keyed kernel),
+"v0_over_fused" their ratio and "v0_bit_equal" whether the two gave the same ids and weights.
+moe_route: the MoE block's fused GEMV [gate | up | gate logit | router] ([2I + 1 + E, D], I =
+640) and its top-k: torch (F.linear, softmax, topk) vs the top-k folded into the GEMV's launch
+(`gemv.linear_topk_triton`, "fused"), vs the GEMV then the keyed kernel ("apart", today's
+decode path) and then the previous kernel ("apart_v0"); "*_ids_equal" and "*_max_w_diff"
+compare each with the fold.
 --sweep also times a few tile choices of the split read (ftchat/kernels/hyper.py).
 """
 
@@ -22,10 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from graph_timing import graph_us  # benchmarks/ (the script's folder)
-from ftchat.kernels import hyper, router
+from ftchat.kernels import gemv, hyper, router
 from ftchat.model import qwen4_exp as q
 
 D, HC, L, E, K = 2560, 4, 320, 512, 10
+INTER = 640  # the shared expert's: the fused MoE GEMV has 2 * INTER + 1 + E rows
 C = HC * D
 REPS = 24  # calls per graph
 SETS = 8  # distinct weight sets: 8 x 13 MB of HC weights (H200 L2: 50 MB)
@@ -40,14 +51,16 @@ def _hc_weights() -> dict:
     return {"hc_norm.weight": rnd(C, scale=0.1),
             "input_mix_weight_down.weight": rnd(L, C, scale=C ** -0.5),
             "input_mix_weight_up.weight": rnd(C, L, scale=L ** -0.5),
-            "block_inject_weight.weight": rnd(HC, C, scale=C ** -0.5)}
+            "block_inject_weight.weight": rnd(HC, C, scale=C ** -0.5),
+            "moe_fused": rnd(2 * INTER + 1 + E, D, scale=D ** -0.5)}  # moe_route's GEMV
 
 
 def _inputs(bs: int) -> dict:
     return {"R": torch.randn(bs, 1, C, device=DEV).bfloat16(),
             "y": torch.randn(bs, 1, D, device=DEV).bfloat16(),
             "s": (2 * torch.rand(bs, 1, HC, device=DEV)).bfloat16(),
-            "x": torch.randn(bs, D, device=DEV).bfloat16()}
+            "x": torch.randn(bs, D, device=DEV).bfloat16(),
+            "logits": torch.randn(bs, E, device=DEV).bfloat16()}
 
 
 # one call of each op, torch and fused; w: an HC weight set, g: a router weight
@@ -63,9 +76,32 @@ def _ops(tiles=None):
                      lambda t, w, g: hyper.hc_write_triton(t["R"], t["y"], t["s"])),
         "route": (lambda t, w, g: q.route_ref(t["x"], g, ARGS),
                   lambda t, w, g: router.router_topk_triton(F.linear(t["x"], g), K, True)),
+        "topk": (lambda t, w, g: _topk_torch(t["logits"]),
+                 lambda t, w, g: router.router_topk_triton(t["logits"], K, True)),
+        "moe_route": (lambda t, w, g: _topk_torch(F.linear(t["x"], w["moe_fused"])[:, -E:]),
+                      lambda t, w, g: gemv.linear_topk_triton(t["x"], w["moe_fused"], E, K,
+                                                              True)[1:]),
         "layer": (lambda t, w, g: _layer(t, w, g, fused=False),
                   lambda t, w, g: _layer(t, w, g, fused=True, tiles=tiles)),
     }
+
+
+# more arms of the ops that route, by label: the previous top-k kernel, the top-k apart
+ARMS = {
+    "route": {"v0": lambda t, w, g: router.router_topk_triton_v0(F.linear(t["x"], g), K, True)},
+    "topk": {"v0": lambda t, w, g: router.router_topk_triton_v0(t["logits"], K, True)},
+    "moe_route": {
+        "apart": lambda t, w, g: router.router_topk_triton(
+            gemv.linear(t["x"], w["moe_fused"])[:, -E:], K, True),
+        "apart_v0": lambda t, w, g: router.router_topk_triton_v0(
+            gemv.linear(t["x"], w["moe_fused"])[:, -E:], K, True)},
+}
+
+
+def _topk_torch(logits):
+    # route_ref after its GEMV: softmax in fp32, top-k, renormalise, cast
+    top, ids = torch.topk(torch.softmax(logits, dim=-1, dtype=torch.float32), K, dim=-1)
+    return ids, (top / top.sum(-1, keepdim=True)).to(logits.dtype)
 
 
 def _layer(t, w, g, fused: bool, tiles=None):
@@ -115,7 +151,7 @@ def _max_diff(a, b) -> float:
     return out
 
 
-def bench(bs_list, sweep: bool) -> dict:
+def bench(bs_list, sweep: bool, ops: list[str] | None = None) -> dict:
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     ws = [_hc_weights() for _ in range(SETS)]
     gs = [(torch.randn(E, D, device=DEV) * D ** -0.5).bfloat16() for _ in range(REPS)]
@@ -124,6 +160,8 @@ def bench(bs_list, sweep: bool) -> dict:
         t = _inputs(bs)
         row = {}
         for name, (ref, fused) in _ops().items():
+            if ops and name not in ops:
+                continue
             n_ref, k_ref = kernels_of(ref, t, ws[0], gs[0])
             n_fus, k_fus = kernels_of(fused, t, ws[0], gs[0])
             r_us, f_us = timed_graph(ref, t, ws, gs), timed_graph(fused, t, ws, gs)
@@ -135,6 +173,18 @@ def bench(bs_list, sweep: bool) -> dict:
                          "speedup": round(r_us / f_us, 2), "torch_kernels": n_ref,
                          "fused_kernels": n_fus, "max_abs_diff": _max_diff(fo, ro),
                          "fused_kernel_names": k_fus, "torch_kernel_names": k_ref}
+            for label, arm in ARMS.get(name, {}).items():  # same graphs and weights
+                a_us = timed_graph(arm, t, ws, gs)
+                ao = arm(t, ws[0], gs[0])
+                row[name].update({f"{label}_us": round(a_us, 2),
+                                  f"{label}_over_fused": round(a_us / f_us, 2),
+                                  f"{label}_kernel_names": kernels_of(arm, t, ws[0], gs[0])[1]})
+                if name == "moe_route":  # the fold: the same ids, weights within an fp32 ulp
+                    row[name][f"{label}_ids_equal"] = bool(torch.equal(ao[0], fo[0]))
+                    row[name][f"{label}_max_w_diff"] = _max_diff(ao[1], fo[1])
+                else:
+                    row[name][f"{label}_bit_equal"] = all(torch.equal(a, b)
+                                                          for a, b in zip(ao, fo))
             print(bs, name, {k: v for k, v in row[name].items() if "names" not in k}, flush=True)
         if sweep:
             row["sweep_hc_write_read_us"], row["best_tiles"] = _sweep(t, ws, gs, bs)
@@ -172,10 +222,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     ap.add_argument("--bs", default="1,2,4,8")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--ops", default=None, help="only these ops, ','-separated (e.g. route,topk)")
     args = ap.parse_args()
     res = {"device": torch.cuda.get_device_name(), "geometry": dict(D=D, hc=HC, L=L, E=E, K=K),
            "dtype": "bf16", "reps_per_graph": REPS, "weight_sets": SETS,
-           "results": bench([int(b) for b in args.bs.split(",")], args.sweep)}
+           "results": bench([int(b) for b in args.bs.split(",")], args.sweep,
+                            args.ops.split(",") if args.ops else None)}
     print(json.dumps({k: v for k, v in res.items() if k != "results"}))
     if args.out:
         with open(args.out, "w") as f:

@@ -170,8 +170,21 @@ def pick(results: dict) -> dict:
 
 def moe_tail(s: Setup, tiles: ek.DecodeTiles, iters: int) -> dict:
     """us per layer of the MoE block after routing: torch shared expert (3 GEMVs, silu, mul,
-    down GEMV, sigmoid GEMV, mul, add) + routed kernels, vs the fused path (one GEMV, the
-    activation kernel, the down GEMV, routed kernels with the shared expert in their combine)."""
+    down GEMV, sigmoid GEMV, mul, add) + routed kernels, vs the fused path (one GEMV, the down
+    GEMV computing silu(g) * u itself at bs <= 2, routed kernels with the shared expert in their
+    combine: "fused_shared"), vs that path with the activation kernel apart (one GEMV, the
+    activation kernel, the down GEMV: "fused_shared_act", the previous path; bit-identical,
+    "gated_bit_equal" checks it)."""
+    from ftchat.kernels import gemv  # moe_tail's own arm
+    from ftchat.model.expert_backend import SharedOut
+
+    def parts_act_apart(x, w):
+        # the previous shared_expert_parts: silu(g) * u in its own kernel, then the down GEMV
+        proj = gemv.linear(x, w[layers.SHARED_FUSED])
+        h = ek.shared_act_triton(proj, I)
+        return SharedOut(gemv.linear(h, w["shared_expert.down_proj.weight"]),
+                         proj[:, 2 * I:2 * I + 1])
+
     gen = torch.Generator(device="cuda").manual_seed(1)
     out = {}
     ws = []
@@ -186,17 +199,26 @@ def moe_tail(s: Setup, tiles: ek.DecodeTiles, iters: int) -> dict:
     for T in (1, 2):
         x, wt = s.x[T], s.weights[T]
 
-        def torch_path():
+        def torch_path(x=x, wt=wt, T=T):  # this T's tensors
             for layer, w in enumerate(ws):
                 routed = ek.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles)
                 routed + layers.shared_expert_ref(x, w)
 
-        def fused_path():
+        def fused_path(x=x, wt=wt, T=T):  # this T's tensors
             for layer, w in enumerate(ws):
                 ek.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles,
                                          q.shared_expert_parts(x, w))
-        for name, fn in (("torch_shared", torch_path), ("fused_shared", fused_path)):
+
+        def fused_act_path(x=x, wt=wt, T=T):  # this T's tensors
+            for layer, w in enumerate(ws):
+                ek.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles,
+                                         parts_act_apart(x, w))
+        for name, fn in (("torch_shared", torch_path), ("fused_shared", fused_path),
+                         ("fused_shared_act", fused_act_path)):
             out[f"bs{T}_{name}_us"] = median_replay(capture(fn), iters) / s.layers * 1e6
+        out[f"bs{T}_gated_bit_equal"] = all(
+            torch.equal(a, b) for a, b in zip(q.shared_expert_parts(x, ws[0]),
+                                              parts_act_apart(x, ws[0])))
     return out
 
 

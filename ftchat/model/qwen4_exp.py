@@ -145,32 +145,52 @@ def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelAr
     return (experts.finish(pending, xt, weights) + shared).view_as(x)
 
 
+# The router's top-k inside the MoE GEMV's launch (gemv.linear_topk_triton, bs <= 2): a launch
+# fewer a layer. Off: its weights may differ from the standalone top-k's by an fp32 ulp of the
+# softmax sum (the compiler's layout inside the GEMV); bench_hyper_router.py's moe_route op
+# times it
+ROUTE_IN_GEMV = False
+
+
 def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs
                      ) -> Tensor:
     """CUDA decode of the MoE block, xt [N, D] -> [N, D]: one GEMV on [gate | up | gate logit |
     router] (the router's rows when fused at load, else its own GEMV), the router kernel, the
-    backend's copies begin; then silu(g) * u in one kernel and the shared down GEMV while they
-    fly; the backend's routed kernel adds the gate and the sum (`finish(..., shared)`). It
-    rounds where torch does (bf16 within ~an ulp); the router logits are the Triton GEMV's, so
-    an expert whose logit ties the k-th within an ulp may be chosen otherwise than on the torch
-    path (the identity tests compare arms of one path)."""
+    backend's copies begin; then the shared down GEMV of silu(g) * u (one gated launch at bs
+    <= 2, `shared_expert_parts`) while they fly; the backend's routed kernel adds the gate and
+    the sum (`finish(..., shared)`). It rounds where torch does (bf16 within ~an ulp); the
+    router logits are the Triton GEMV's, so an expert whose logit ties the k-th within an ulp
+    may be chosen otherwise than on the torch path (the identity tests compare arms of one
+    path)."""
     I = w["shared_expert.down_proj.weight"].shape[1]
-    proj = gemv.linear(xt, w[SHARED_FUSED])  # [N, 2I + 1 (+ E)]
-    logits = proj[:, 2 * I + 1:] if proj.shape[1] > 2 * I + 1 else F.linear(xt, w[ROUTER])
-    ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob)
+    E = w[SHARED_FUSED].shape[0] - (2 * I + 1)  # router rows fused in (0: kept apart)
+    if ROUTE_IN_GEMV and E > 0 and gemv.dispatches(xt, w[SHARED_FUSED]):
+        proj, ids, weights = gemv.linear_topk_triton(xt, w[SHARED_FUSED], E,
+                                                     a.num_experts_per_tok, a.norm_topk_prob)
+    else:
+        proj = gemv.linear(xt, w[SHARED_FUSED])  # [N, 2I + 1 (+ E)]
+        logits = proj[:, 2 * I + 1:] if E > 0 else F.linear(xt, w[ROUTER])
+        ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok,
+                                                 a.norm_topk_prob)
     pending = experts.begin(layer, xt, ids)
     return experts.finish(pending, xt, weights, shared_expert_parts(xt, w, proj))
 
 
 def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None) -> SharedOut:
     """The shared expert before its gate, for CUDA decode: the fused GEMV's output proj [N, 2I + 1
-    (+ E)] (computed here when not given), silu(g) * u in one kernel, the down GEMV.
+    (+ E)] (computed here when not given), then the down GEMV of h = silu(g) * u. Where the GEMV
+    kernel applies (`gemv.dispatches`: bs <= 2) one launch computes h from proj's columns itself
+    (`gemv.linear_gated_triton`, bit-identical to the pair below); else silu(g) * u in one kernel
+    (`shared_act_triton`) and `gemv.linear` (F.linear).
     x [N, D] -> down [N, D], gate logit [N, 1] (a column view of proj)."""
     down_w = w["shared_expert.down_proj.weight"]  # [D, I]
     I = down_w.shape[1]
     proj = gemv.linear(x, w[SHARED_FUSED]) if proj is None else proj
-    h = ek.shared_act_triton(proj, I)  # [N, I]
-    return SharedOut(gemv.linear(h, down_w), proj[:, 2 * I:2 * I + 1])
+    if gemv.dispatches(proj[:, :I], down_w):
+        down = gemv.linear_gated_triton(proj, down_w)  # [N, D]
+    else:
+        down = gemv.linear(ek.shared_act_triton(proj, I), down_w)
+    return SharedOut(down, proj[:, 2 * I:2 * I + 1])
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,

@@ -521,7 +521,9 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
 def shared_act_triton(gu: Tensor, inter: int) -> Tensor:
     """silu(g) * u [T, I] from the shared expert's fused GEMV output gu [T, >= 2I] (gate | up |
     ...), in gu's dtype (bf16 or fp32) with torch's roundings: bf16 within one ulp of
-    F.silu(g) * u (exp and division ulps), fp32 within a few fp32 ulps."""
+    F.silu(g) * u (exp and division ulps), fp32 within a few fp32 ulps. At bs <= 2 on CUDA the
+    down GEMV computes the same h itself (gemv.linear_gated_triton, `_silu_mul`: the same
+    expressions and roundings, bit-identical; change both together)."""
     T, N = gu.shape
     assert N >= 2 * inter and gu.stride(1) == 1 and gu.dtype in (torch.bfloat16, torch.float32)
     h = torch.empty(T, inter, dtype=gu.dtype, device=gu.device)

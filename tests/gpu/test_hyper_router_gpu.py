@@ -22,6 +22,9 @@ fp32 summation orders (and exp / division ulps) differ, so:
   allow_bf16_reduced_precision_reduction and TF32) so that it is the same math.
 * bf16 accuracy: the kernels' mean error against float64 math is at most 1.25x torch's (plus
   2^-12 * max): both are dominated by the final roundings, so they are nearly equal.
+* Router: the default (keyed) kernel equals the previous one (`router_topk_triton_v0`) bit for
+  bit, ids and weights, on every logits tested (distinct, ties, -inf, +-0; ftchat/kernels/router.py
+  says why).
 * Router ids: identical to torch when the logits are distinct (random fp32; near-ties one ulp
   apart). With exact ties, common among bf16 logits, the kernel orders tied experts by index
   while torch promises no order (CPU topk returned [2, 4, 1] for three equal values at 1, 2, 4):
@@ -336,6 +339,96 @@ def test_router_negative_control(dtype):
     ids, w = router.router_topk_triton(F.linear(x, bad), a.num_experts_per_tok, True)
     assert torch.equal(ids.cpu(), ids_ref.cpu())  # the same experts ...
     assert not _route_ok(ids, w, ids_ref, w_ref, F.linear(x, W), dtype)  # ... other weights
+
+
+# ===== the keyed top-k against the previous kernel =====
+
+
+def _logits_case(kind, rows, E, dtype, gen):
+    # router logits [rows, E] of one kind: "distinct" (random fp32, all distinct), "ties" (a
+    # 1/4 grid: many equal values in every row, across the top-k boundary), "inf" (-inf on half
+    # the experts of each row, and row 0 with fewer than K finite ones: the picks reach -inf),
+    # "zeros" (+0 and -0 mixed, the largest values among them, a negative rest)
+    if kind == "distinct":
+        lg = torch.randn(rows, E, generator=gen) * 2
+    elif kind == "ties":
+        lg = (torch.randn(rows, E, generator=gen) * 4).round() / 4
+    elif kind == "inf":
+        lg = torch.randn(rows, E, generator=gen)
+        lg[torch.rand(rows, E, generator=gen) < 0.5] = float("-inf")
+        lg[0, 3:] = float("-inf")
+        lg[0, :3] = torch.tensor([0.5, -1.0, 2.0])  # three finite, then -inf picks
+    else:
+        lg = -torch.rand(rows, E, generator=gen) - 0.5
+        lg[:, ::3] = 0.0
+        lg[:, 1::7] = -0.0
+    lg = lg.to(dtype)
+    if kind == "distinct" and dtype == torch.float32:
+        assert lg.unique().numel() == lg.numel()
+    return lg.to(DEVICE)
+
+
+ROWS = [1, 2, 3, 8] if INTERPRET else list(range(1, 9))
+
+
+def _torch_route(logits, a):
+    # route_ref's math on given logits (the identity GEMV of _identity_route makes -inf * 0 NaN)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, ids = torch.topk(probs, a.num_experts_per_tok, dim=-1)
+    if a.norm_topk_prob:
+        top = top / top.sum(-1, keepdim=True)
+    return ids, top.to(logits.dtype)
+
+
+@pytest.mark.parametrize("kind", ["distinct", "ties", "inf", "zeros"])
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("norm", [True, False], ids=["norm", "raw"])
+def test_router_keyed_equals_v0_and_torch(kind, rows, dtype, norm):
+    # the default (keyed) kernel gives the previous kernel's ids and weights bit for bit, and
+    # torch's routing within the tolerances above (ids exactly where the logits are distinct)
+    E, K = 512, 10
+    gen = torch.Generator().manual_seed(rows + 10 * norm + 100 * (dtype == torch.bfloat16)
+                                        + 1000 * len(kind))
+    lg = _logits_case(kind, rows, E, dtype, gen)
+    ids, w = router.router_topk_triton(lg, K, norm)
+    ids0, w0 = router.router_topk_triton_v0(lg, K, norm)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    a = SimpleNamespace(num_experts_per_tok=K, norm_topk_prob=norm)
+    ids_ref, w_ref = _torch_route(lg, a)
+    if kind == "distinct" and dtype == torch.float32:
+        assert torch.equal(ids.cpu(), ids_ref.cpu())
+    assert _route_ok(ids, w, ids_ref, w_ref, lg, dtype)
+
+
+@pytest.mark.parametrize("E,K", [(24, 3), (40, 6), (5, 5), (512, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_router_keyed_shapes(E, K, dtype):
+    # masked lanes (E not a power of two: their keys sit below every expert's), K = E (every
+    # expert, -inf ones last), K = 1 (KP padded to 2); strided rows as the fused GEMV gives them
+    gen = torch.Generator().manual_seed(E + K)
+    base = _logits_case("ties", 3, E + 7, dtype, gen)
+    lg = base[:, 7:]  # row stride E + 7
+    lg[1, : E // 2] = float("-inf")
+    ids, w = router.router_topk_triton(lg, K, True)
+    ids0, w0 = router.router_topk_triton_v0(lg, K, True)
+    assert torch.equal(ids, ids0) and torch.equal(w, w0)
+    assert ((ids >= 0) & (ids < E)).all() and (ids.sort(-1).values.diff(dim=-1) > 0).all()
+    ids_ref, w_ref = _torch_route(lg, SimpleNamespace(num_experts_per_tok=K, norm_topk_prob=True))
+    assert _route_ok(ids, w, ids_ref, w_ref, lg, dtype)
+
+
+def test_router_keyed_negative_control():
+    # the checks above see a one-ulp change of one chosen logit: the weights move (v0 on the
+    # changed logits gives the changed weights, so the bit comparison is not vacuous)
+    gen = torch.Generator().manual_seed(13)
+    lg = _logits_case("distinct", 2, 512, torch.float32, gen)
+    ids, w = router.router_topk_triton(lg, 10, True)
+    bad = lg.clone()
+    bad[0, ids[0, 0]] = torch.nextafter(bad[0, ids[0, 0]], torch.tensor(float("inf")).to(DEVICE))
+    ids_b, w_b = router.router_topk_triton(bad, 10, True)
+    assert torch.equal(ids_b, ids) and not torch.equal(w_b, w)
+    assert torch.equal(w_b, router.router_topk_triton_v0(bad, 10, True)[1])
 
 
 # ===== dispatch and graph capture =====

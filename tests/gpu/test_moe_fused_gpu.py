@@ -17,6 +17,11 @@ and exp / division ulps (silu, sigmoid):
   rounded g * log2(e): up to ~|g| * 2^-24 relative for the |g| <= 12 drawn here, plus two ulps;
   measured 2.8e-7 on CPU); bf16 within one bf16 ulp (2^-7 relative), a flip only when the fp32
   value lies that close to a rounding boundary (at most 2 % of the elements; measured 0).
+* shared_expert_parts: at <= 2 rows on CUDA the down GEMV computes h itself from the fused
+  GEMV's columns (gemv.linear_gated_triton): bit-identical to the activation kernel then the
+  GEMV (the same roundings); at 3 rows and on CPU it is that pair.
+* q.ROUTE_IN_GEMV (the router's top-k in the MoE GEMV's launch, CUDA only): the same experts as
+  the standalone top-k, the output within the engine tolerance below of the path without it.
 * MoE output against the kernels' mirror (routed_experts_decode_ref + shared_expert_ref): fp32
   within 1e-5 * max|ref| (the routed kernels' summation order, as tests/gpu/test_kernels_gpu.py);
   bf16 within 2^-7 * (|routed| + |shared| + |ref|) per element: one ulp for each of the three
@@ -176,6 +181,27 @@ def test_shared_act_matches_torch(geo, rows, dtype):
     assert bool((err <= rtol * ref.float().abs()).all())
     if dtype == torch.bfloat16:  # flips only near rounding boundaries
         assert float((err > 0).float().mean()) <= 0.02
+
+
+@pytest.mark.parametrize("geo", ["real", "small"])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_parts_gated_down_equals_act_then_down(geo, rows, dtype):
+    # where the GEMV kernel takes the down projection (CUDA, <= 2 rows) shared_expert_parts runs
+    # it on proj's columns itself (gemv.linear_gated_triton): the activation kernel then the
+    # GEMV, bit for bit; elsewhere (3 rows, the CPU) it is that pair
+    D, I, _, _ = GEOS[geo]
+    gen = torch.Generator().manual_seed(rows + 10 * (dtype == torch.float32) + len(geo))
+    w = _shared_weights(D, I, dtype, gen)
+    x = torch.randn(rows, D, generator=gen).to(dtype).to(DEVICE)
+    down_w = w["shared_expert.down_proj.weight"]
+    proj = gemv.linear(x, w[layers.SHARED_FUSED])
+    assert gemv.dispatches(proj[:, :I], down_w) == (DEVICE == "cuda" and rows <= 2)
+    down, logit = q.shared_expert_parts(x, w, proj)
+    assert torch.equal(down, gemv.linear(ek.shared_act_triton(proj, I), down_w))
+    assert torch.equal(logit, proj[:, 2 * I:2 * I + 1])
+    down2, _ = q.shared_expert_parts(x, w)  # proj computed inside: the same
+    assert torch.equal(down2, down)
 
 
 # ===== the MoE output: shared expert folded into the routed kernels =====
@@ -376,6 +402,29 @@ def test_moe_block_fused_router_against_the_torch_path(dtype):
         bad[2 * I + 1 + int(ids[0, 0])] *= 3
         bad_logits = gemv.linear(xt, bad)[:, 2 * I + 1:]
         assert not bool(((bad_logits.double() - ref_logits).abs() <= tol).all())
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fold runs where the GEMV kernel does: CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_block_route_in_gemv(dtype, monkeypatch):
+    # q.ROUTE_IN_GEMV: the router's top-k in the MoE GEMV's launch (gemv.linear_topk_triton):
+    # the same experts as the standalone kernel, the output within the engine tolerance of it
+    w, experts, a, gen = _layer(dtype, 63)
+    D, I, E, K = GEOS["small"]
+    for rows in (1, 2):
+        x = torch.randn(rows, 1, D, generator=gen).to(dtype).to(DEVICE)
+        xt = x.flatten(0, 1)
+        off = q.moe_block(0, x, w, experts, a)
+        monkeypatch.setattr(q, "ROUTE_IN_GEMV", True)
+        on = q.moe_block(0, x, w, experts, a)
+        monkeypatch.setattr(q, "ROUTE_IN_GEMV", False)
+        proj, ids, weights = gemv.linear_topk_triton(xt, w[layers.SHARED_FUSED], E, K, True)
+        want = experts.finish(experts.begin(0, xt, ids), xt, weights,
+                              q.shared_expert_parts(xt, w, proj))
+        assert torch.equal(on.flatten(0, 1), want)
+        ids_off, _ = router.router_topk_triton(proj[:, 2 * I + 1:], K, True)
+        assert torch.equal(ids, ids_off)
+        assert _close(on, off, dtype, engine=True)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
