@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Session 11's device calls. Usage: run(command="bash benchmarks/device_s11.sh MODE...")
 #   ncu      Nsight Compute on the decode step's heaviest kernels (benchmarks/ncu_decode.py, bs BS)
+#   kbench   the router top-k arms (bench_hyper_router.py) and the NVFP4 GEMV sweep (bench_gemv.py)
 #   others   as device_s10.sh (tests, ptests, e2e, prefill48, pdl48, offload48, ...)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -19,6 +20,13 @@ for mode in "$@"; do
         python3 benchmarks/ncu_decode.py --bs ${BS:-1} > "$O/ncu_bs${BS:-1}.txt" 2> "$L/ncu.err"
       echo "ncu rc=$?"; tail -5 "$L/ncu.err"
       grep -E '^  _|Duration|Memory Throughput|DRAM Throughput|Compute \(SM\)|Executed Ipc A|Issue Slots Busy|No Eligible|Registers Per|Achieved Occupancy|Stall' "$O/ncu_bs${BS:-1}.txt" | cut -c1-150 | head -120 ;;
+    kbench)  # the decode kernels changed this session, old and new arms in one process each
+      timeout ${KB_S:-120} python3 benchmarks/bench_hyper_router.py --ops topk,route,moe_route --bs 1,2 \
+        --out "$O/bench_router_s11.json" > "$L/router.log" 2>&1; echo "bench_hyper_router rc=$?"
+      grep -vE "^\s*$" "$L/router.log" | cut -c1-220 | tail -20
+      timeout ${KB_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 --sweep \
+        --out "$O/bench_gemv_nvfp4_s11.json" > "$L/gemv.log" 2>&1; echo "bench_gemv rc=$?"
+      grep -vE "^\s*$" "$L/gemv.log" | cut -c1-220 | tail -45 ;;
     *) bash benchmarks/device_s10.sh "$mode" ;;
   esac
 done
