@@ -77,7 +77,8 @@ Context = Annotated[int | None, typer.Option(
     help="KV capacity in tokens (default: the model's, at most 32768)")]
 PrefillChunk = Annotated[int | None, typer.Option(
     "--prefill-chunk", metavar="T", rich_help_panel=MODEL,
-    help="Prompt tokens per prefill call (default 1024; larger: fewer expert copies, more VRAM)")]
+    help="Prompt tokens per prefill call (default 1024, or under --vram-budget on a GPU the "
+         "plan's choice; larger: fewer expert copies, more VRAM)")]
 Device = Annotated[str | None, typer.Option(
     metavar="auto|cuda|cpu", rich_help_panel=MODEL, help="Where to run (default auto)")]
 Dtype = Annotated[str | None, typer.Option(
