@@ -20,8 +20,10 @@ weights dequantized), all cycled beyond L2 as above. GB/s counts the bytes a cal
 NVFP4 codes, block scales, globals, tail, x and output (~24 MB against the bf16 84 MB).
 max_abs_diff is against nvfp4_linear_ref (fp32 math on the exact weights, rounded once).
 --sweep also times nvfp4_gemv.SWEEP; --nvfp4-tiles times given tiles (BNxBKsSPLITwWARPS, then
-optionally tT for the tail rows, then "ptx" or "bits" for the decode (else the default, bits),
-e.g. 8x512s5w1t4ptx).
+optionally tT for the tail rows, then flags in any order: "ptx" or "bits" for the decode (else
+the default, bits), "byte" the byte-form decode (with ptx its PTX form), "tc" the tensor-core
+tiles, "x1d" or "rows" the x-once reads (Nvfp4Tiles.x1d / .rowloop), e.g. 8x512s5w1t4ptx,
+8x512s5w1ptxbytex1d, 8x512s1w1t4ptxbyterows; `repr` of the tiles is what the JSON records).
 
 Measured (H200, 2026-12-01, bs 1 / 2, us per call, F.linear -> linear_triton default tiles):
 2560x6144 12.1 -> 10.5 / 12.9 -> 11.8; 1281x2560 5.5 -> 5.0 / 12.8 -> 5.8; 2560x640 4.2 -> 3.3 /
@@ -114,14 +116,28 @@ def parse_tiles(spec: str) -> gemv.GemvTiles:
     return gemv.GemvTiles(*(int(g) for g in m.groups()))
 
 
+NVFP4_FLAGS = {"ptx": ("ptx", True), "bits": ("ptx", False), "byte": ("byte_dec", True),
+               "tc": ("tc", True), "x1d": ("x1d", True), "rows": ("rowloop", True)}
+
+
 def parse_nvfp4_tiles(spec: str) -> nvfp4_gemv.Nvfp4Tiles:
-    """'BNxBKsSPLITwWARPS[tTAIL][ptx|bits]', e.g. '8x512s5w1' or '8x512s5w1t8ptx' (no decode
-    named: the Nvfp4Tiles default)."""
-    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:t(\d+))?(ptx|bits)?", spec)
-    assert m, f"tiles like 8x512s5w1t4 (optionally ending in ptx or bits), not {spec!r}"
+    """'BNxBKsSPLITwWARPS[tTAIL][flags]', flags any of ptx / bits, byte, tc, x1d / rows (see the
+    module docstring), e.g. '8x512s5w1', '8x512s5w1t8ptx', '8x512s1w1ptxbyterows' (no flag: the
+    Nvfp4Tiles defaults)."""
+    names = "|".join(NVFP4_FLAGS)
+    m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:t(\d+))?((?:" + names + ")*)", spec)
+    assert m, f"tiles like 8x512s5w1t4 (then flags of {sorted(NVFP4_FLAGS)}), not {spec!r}"
     bn, bk, split, warps = (int(g) for g in m.groups()[:4])
-    decode = {} if m.group(6) is None else {"ptx": m.group(6) == "ptx"}
-    return nvfp4_gemv.Nvfp4Tiles(bn, bk, split, warps, tail_n=int(m.group(5) or 4), **decode)
+    flags = [NVFP4_FLAGS[f] for f in re.findall(names, m.group(6))]
+    assert len({k for k, _ in flags}) == len(flags), f"a flag named twice in {spec!r}"
+    return nvfp4_gemv.Nvfp4Tiles(bn, bk, split, warps, tail_n=int(m.group(5) or 4), **dict(flags))
+
+
+def nvfp4_spec(t: nvfp4_gemv.Nvfp4Tiles) -> str:
+    """The --nvfp4-tiles spec of tiles t (parse_nvfp4_tiles' inverse), e.g.
+    '8x512s1w1t4ptxbyterows'."""
+    flags = [f for f, (k, v) in NVFP4_FLAGS.items() if f != "bits" and getattr(t, k) == v]
+    return f"{t.block_n}x{t.block_k}s{t.split}w{t.warps}t{t.tail_n}" + "".join(flags)
 
 
 def _nvfp4_bytes(N4: int, Nt: int, K: int, bs: int) -> int:
@@ -144,8 +160,10 @@ def _nvfp4_fn(tiles):
 
 def _nvfp4_launch(t: nvfp4_gemv.Nvfp4Tiles, K: int) -> tuple:
     # the launch nvfp4_linear_triton makes: (BLOCK_N, BLOCK_K, SPLIT, chunks a program, warps,
-    # BLOCK_T, PTX decode)
-    return (t.block_n, *nvfp4_gemv.launch_plan(K, t), t.warps, t.tail_n, t.ptx)
+    # BLOCK_T, PTX decode, tensor cores, decode DEC, x read XV: nvfp4_gemv.kernel_flags)
+    f = nvfp4_gemv.kernel_flags(t, torch.device(DEV))
+    return (t.block_n, *nvfp4_gemv.launch_plan(K, t), t.warps, t.tail_n, t.ptx, t.tc, f["DEC"],
+            f["XV"])
 
 
 def bench_nvfp4(bs_list, sweep: bool, extra=()) -> dict:
@@ -184,11 +202,11 @@ def bench_nvfp4(bs_list, sweep: bool, extra=()) -> dict:
             for t in (list(nvfp4_gemv.SWEEP) if sweep else []) + list(extra):
                 us = timed_graph(_nvfp4_fn(t), xs, nv)
                 times[repr(t)] = {"us": round(us, 2), "GBs": round(nbytes / (us * 1e-6) / 1e9),
-                                  "launch": _nvfp4_launch(t, K),
+                                  "spec": nvfp4_spec(t), "launch": _nvfp4_launch(t, K),
                                   "max_abs_diff": _max_diff(
                                       nvfp4_gemv.nvfp4_linear_triton(xs[0], *nv[0], tiles=t),
                                       ref)}
-                print(f"  nvfp4 {N4}+{Nt}x{K} bs{bs} {t}: {us:.2f} us", flush=True)
+                print(f"  nvfp4 {N4}+{Nt}x{K} bs{bs} {nvfp4_spec(t)}: {us:.2f} us", flush=True)
             best = min(times, key=lambda k: times[k]["us"])
             row["sweep"], row["best_tiles"], row["best_us"] = times, best, times[best]["us"]
         print(f"nvfp4 {N4}+{Nt}x{K} bs{bs}: cuBLAS bf16 {t_us:.2f} us "
@@ -262,7 +280,8 @@ def main() -> None:
                     help="dense (the bf16 shapes), nvfp4 (the NVFP4 + tail arm), comma-separated")
     ap.add_argument("--nvfp4-tiles", default="",
                     help="also time these tiles in the NVFP4 arm: "
-                         "BNxBKsSPLITwWARPS[tT][ptx|bits],...")
+                         "BNxBKsSPLITwWARPS[tT][ptx|bits][byte][tc][x1d|rows],... "
+                         "(e.g. 16x512s1w1t4ptxbyterows)")
     args = ap.parse_args()
     arms = {a for a in args.arms.split(",") if a}
     assert arms and arms <= {"dense", "nvfp4"}, f"--arms: dense and/or nvfp4, not {args.arms!r}"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Session 11's device calls. Usage: run(command="bash benchmarks/device_s11.sh MODE...")
 #   ncu      Nsight Compute on the decode step's heaviest kernels (benchmarks/ncu_decode.py, bs BS)
-#   kbench   the router top-k arms (bench_hyper_router.py) and the NVFP4 GEMV sweep (bench_gemv.py)
+#   kbench   the router top-k arms (bench_hyper_router.py) and the NVFP4 GEMV tiles (bench_gemv.py:
+#            NV_TILES, ','-separated specs, else its --sweep)
+#   dec48    the 48-layer resident decode (device_bench48.sh; CTX, ARMS)
 #   others   as device_s10.sh (tests, ptests, e2e, prefill48, pdl48, offload48, ...)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -24,9 +26,11 @@ for mode in "$@"; do
       timeout ${KB_S:-120} python3 benchmarks/bench_hyper_router.py --ops topk,route,moe_route --bs 1,2 \
         --out "$O/bench_router_s11.json" > "$L/router.log" 2>&1; echo "bench_hyper_router rc=$?"
       grep -vE "^\s*$" "$L/router.log" | cut -c1-220 | tail -20
-      timeout ${KB_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 --sweep \
+      timeout ${KB_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 ${NV_TILES:+--nvfp4-tiles $NV_TILES} ${NV_TILES:---sweep} \
         --out "$O/bench_gemv_nvfp4_s11.json" > "$L/gemv.log" 2>&1; echo "bench_gemv rc=$?"
       grep -vE "^\s*$" "$L/gemv.log" | cut -c1-220 | tail -45 ;;
+    dec48)  # the 48-layer resident decode at 4K, PDL on (the defaults), one arm
+      CTX=${CTX:-4k} DENSE=nvfp4 ARMS=${ARMS:-resident} timeout ${DEC_S:-200} bash benchmarks/device_bench48.sh resident ;;
     *) bash benchmarks/device_s10.sh "$mode" ;;
   esac
 done

@@ -23,6 +23,11 @@ bit-identical, a CUDA-graph replay equals eager, the counters are left zero. Neg
 one packed code (its sign flipped, at its row's largest product) or one block scale (doubled, at
 its row's largest group) changed: that output column fails the check, every other one passes,
 and the changed column matches the float64 math of the changed weights.
+The x-once tiles (Nvfp4Tiles.x1d / .rowloop) and the byte-form decode (.byte_dec) run the same
+checks at bs 1, 2, 3, 8, with bf16 and fp32 x, split 1 and > 1, K inside and overhanging the last
+chunk, N4 not a multiple of block_n, the tail on and off; the decode helpers are checked
+exhaustively (every byte value at every byte of a word, every code at every position) against
+the E2M1 table written out here.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import os
 import pytest
 import torch
 
-from ftchat.kernels import fused_kernels, nvfp4_gemv as ng, sync
+from ftchat.kernels import HAS_TRITON, fp4, fused_kernels, nvfp4_gemv as ng, sync, tl, triton
 from ftchat.model import nvfp4
 from tests.kernel_inputs import capture, kernel_device
 
@@ -255,7 +260,182 @@ def test_default_tiles_rule_and_sweep():
         assert all(v > 0 and v & (v - 1) == 0 for v in (t.block_n, t.block_k, t.tail_n))
         bk, split, cpp = ng.launch_plan(2560, t)
         assert 2560 % (bk * cpp) == 0, t  # no mask along K at the decode shape
+        assert not (t.x1d and t.rowloop) and not (t.tc and (t.x1d or t.rowloop)), t
+        assert not t.rowloop or (bk == 512 and t.warps == 1), t  # a group a lane (Nvfp4Tiles)
     assert len(set(ng.SWEEP)) == len(ng.SWEEP) and ng.SWEEP[0] == ng.default_tiles(*REAL)
+    # the x-once tiles, each decode, split 1 and 5 among them
+    for flag in ("x1d", "rowloop"):
+        mine = [t for t in ng.SWEEP if getattr(t, flag)]
+        assert {(t.byte_dec, t.ptx) for t in mine} == {(False, False), (True, False), (True, True)}
+        assert {ng.launch_plan(2560, t)[1] for t in mine} >= {1, 5}
+
+
+# ===== x read once a chunk (x1d, rowloop) and the byte-form decode =====
+
+# (tiles, its id): x1d and rowloop, each with the bit, byte and byte-PTX decodes (the PTX one
+# runs its Triton form in the interpreter); at K = 48 (3 groups) block_k 16 is one group a chunk
+# (split 3: a program each), 32 two programs' worth in one (split 1: the second chunk overhangs
+# K), 64 one masked chunk
+X_TILES = [
+    (ng.Nvfp4Tiles(8, 16, 3, 1, 4, x1d=True), "x1d-8x16s3"),
+    (ng.Nvfp4Tiles(4, 32, 1, 2, 8, x1d=True, byte_dec=True), "x1d-4x32s1w2-byte"),
+    (ng.Nvfp4Tiles(16, 64, 2, 1, 2, x1d=True, byte_dec=True, ptx=True), "x1d-16x64s2-byteptx"),
+    (ng.Nvfp4Tiles(8, 16, 3, 1, 4, rowloop=True), "rows-8x16s3"),
+    (ng.Nvfp4Tiles(4, 32, 1, 1, 8, rowloop=True, byte_dec=True), "rows-4x32s1-byte"),
+    (ng.Nvfp4Tiles(16, 64, 2, 2, 2, rowloop=True, byte_dec=True, ptx=True),
+     "rows-16x64s2w2-byteptx"),
+]
+X_LEADS = [(1,), (2,), (3, 1), (8,)]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("lead", X_LEADS, ids=_ids)
+@pytest.mark.parametrize("tiles", [t for t, _ in X_TILES], ids=[i for _, i in X_TILES])
+def test_x_once_tiles_match_float64(tiles, lead, dtype):
+    # N4 = 37 (masked row blocks: 37 is no multiple of 4, 8 or 16), Nt = 5, K = 48; the tail on
+    # for bf16, off for fp32
+    tail = dtype == BF16
+    args, y64 = _case((37, 5, 48), lead, dtype, seed=40 + len(lead), tail=tail)
+    got = _check(args, y64, tiles)
+    assert got.shape == (*lead, 42 if tail else 37)
+
+
+X_SHAPES = [  # (shape, tiles, id): K = 1040 (65 groups) overhangs a program's chunks; K = 2560
+    ((40, 7, 1040), ng.Nvfp4Tiles(8, 64, 3, 1, 4, x1d=True, byte_dec=True), "x1d-1040cpp"),
+    ((40, 7, 1040), ng.Nvfp4Tiles(16, 512, 1, 2, 4, x1d=True), "x1d-1040whole"),
+    ((40, 7, 1040), ng.Nvfp4Tiles(8, 256, 2, 1, 4, rowloop=True, byte_dec=True, ptx=True),
+     "rows-1040s2"),
+    ((32, 4, 2560), ng.Nvfp4Tiles(8, 512, 5, 1, x1d=True, byte_dec=True, ptx=True), "x1d-2560s5"),
+    ((32, 4, 2560), ng.Nvfp4Tiles(8, 512, 1, 1, rowloop=True), "rows-2560s1"),
+]
+
+
+@pytest.mark.parametrize("shape,tiles", [(s, t) for s, t, _ in X_SHAPES],
+                         ids=[i for _, _, i in X_SHAPES])
+@pytest.mark.parametrize("dtype,lead", [(BF16, (1,)), (FP32, (2,)), (BF16, (3,))], ids=_ids)
+def test_x_once_tiles_masked_k_and_decode_k(shape, tiles, dtype, lead):
+    bk, _, cpp = ng.launch_plan(shape[2], tiles)
+    assert (shape[2] % (bk * cpp) != 0) == (shape[2] == 1040)  # 1040: the last chunk is masked
+    args, y64 = _case(shape, lead, dtype, seed=sum(shape))
+    _check(args, y64, tiles)
+
+
+@pytest.mark.parametrize("variant", ["x1d", "rowloop"])
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
+def test_x_once_decodes_equal_and_split_invariant(variant, dtype):
+    # the decodes give the same fp32 values, so the same bits out; split 1 against split 5
+    # (another order of the same fp32 sums) within one bf16 ulp / the fp32 tolerance; the
+    # default tiles within the same. (The interpreter runs byte-PTX as byte: left out there)
+    shape = (16, 4, 2560) if INTERPRET else (300, 24, 2560)
+    args, y64 = _case(shape, (2,), dtype, seed=43)
+    decs = [{}, {"byte_dec": True}] + ([] if INTERPRET else [{"byte_dec": True, "ptx": True}])
+    outs = [[ng.nvfp4_linear_triton(*args, tiles=ng.Nvfp4Tiles(8, 512, s, 1, **{variant: True},
+                                                               **dec)) for dec in decs]
+            for s in (1, 5)]
+    for got in outs[0] + outs[1]:
+        assert _close(got, y64, dtype), _err(got, y64)
+    assert all(torch.equal(o, same[0]) for same in outs for o in same[1:])
+    assert _close(outs[0][0], outs[1][0], dtype, ulps=1), _err(outs[0][0], outs[1][0])
+    ref = ng.nvfp4_linear_triton(*args)
+    assert _close(outs[0][0], ref, dtype, ulps=1), _err(outs[0][0], ref)
+
+
+def test_x_once_tiles_unaligned_x_and_bad_combinations():
+    # bf16 x whose rows start 2 bytes off a 4-byte boundary (the int32 pair loads): copied first,
+    # the same result; x1d with rowloop, or either with tc, is refused
+    (x, packed, scale, g, tail), y64 = _case((37, 5, 48), (2,), BF16, seed=44)
+    flat = torch.zeros(2 * 48 + 1, dtype=BF16, device=x.device)
+    flat[1:].copy_(x.reshape(-1))
+    xs = flat[1:].view(2, 48)
+    assert xs.data_ptr() % 4 == 2
+    for t in (ng.Nvfp4Tiles(8, 16, 3, 1, x1d=True), ng.Nvfp4Tiles(8, 16, 3, 1, rowloop=True)):
+        got = ng.nvfp4_linear_triton(xs, packed, scale, g, tail, t)
+        assert torch.equal(got, ng.nvfp4_linear_triton(x, packed, scale, g, tail, t))
+        assert _close(got, y64, BF16), _err(got, y64)
+    for bad in (ng.Nvfp4Tiles(16, 32, 1, 1, x1d=True, rowloop=True),
+                ng.Nvfp4Tiles(16, 32, 1, 1, tc=True, x1d=True),
+                ng.Nvfp4Tiles(16, 32, 1, 1, tc=True, rowloop=True)):
+        with pytest.raises(AssertionError):
+            ng.nvfp4_linear_triton(x, packed, scale, g, tail, bad)
+
+
+def test_kernel_flags():
+    # the decode and x-read constexprs; the PTX decodes fall back to their bit forms off CUDA
+    # and in the interpreter
+    T = ng.Nvfp4Tiles
+    cpu = torch.device("cpu")
+    assert ng.kernel_flags(T(8, 512, 5, 1), cpu) == {"DEC": ng.DEC_BITS, "XV": ng.XV_ROWS2D}
+    assert ng.kernel_flags(T(8, 512, 5, 1, ptx=True), cpu)["DEC"] == ng.DEC_BITS
+    assert ng.kernel_flags(T(8, 512, 5, 1, byte_dec=True), cpu)["DEC"] == ng.DEC_BYTES
+    assert ng.kernel_flags(T(8, 512, 5, 1, ptx=True, byte_dec=True), cpu)["DEC"] == ng.DEC_BYTES
+    assert ng.kernel_flags(T(8, 512, 5, 1, x1d=True), cpu)["XV"] == ng.XV_X1D
+    assert ng.kernel_flags(T(8, 512, 1, 1, rowloop=True), cpu)["XV"] == ng.XV_ROWLOOP
+    if DEVICE == "cuda" and not INTERPRET:
+        dev = torch.device("cuda")
+        assert ng.kernel_flags(T(8, 512, 5, 1, ptx=True, byte_dec=True), dev)["DEC"] == \
+            ng.DEC_BYTES_PTX
+
+
+# E2M1 code -> value, written out (docs/model.md section 12), then times the decodes' 2^-14
+E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+
+if HAS_TRITON:
+    @triton.jit
+    def _decode_kernel(w_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
+                       DEC: tl.constexpr):
+        # out[j, i] = code j of word i as fp32, by decode DEC (nvfp4_gemv's DEC_*)
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < N
+        w = tl.load(w_ptr + i, mask=ok, other=0)
+        if DEC == 0:
+            c0, c4 = fp4._e2m1_pair(w, 0)
+            c1, c5 = fp4._e2m1_pair(w, 1)
+            c2, c6 = fp4._e2m1_pair(w, 2)
+            c3, c7 = fp4._e2m1_pair(w, 3)
+        elif DEC == 2:
+            c0, c1, c2, c3, c4, c5, c6, c7 = fp4._e2m1_bytes(w)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = fp4._e2m1_bytes_ptx(w)
+        tl.store(out_ptr + 0 * N + i, c0, mask=ok)
+        tl.store(out_ptr + 1 * N + i, c1, mask=ok)
+        tl.store(out_ptr + 2 * N + i, c2, mask=ok)
+        tl.store(out_ptr + 3 * N + i, c3, mask=ok)
+        tl.store(out_ptr + 4 * N + i, c4, mask=ok)
+        tl.store(out_ptr + 5 * N + i, c5, mask=ok)
+        tl.store(out_ptr + 6 * N + i, c6, mask=ok)
+        tl.store(out_ptr + 7 * N + i, c7, mask=ok)
+
+
+def _all_byte_words() -> torch.Tensor:
+    # int32 words where each of the 4 bytes takes all 256 values (the other bytes random), and
+    # each of the 8 nibbles all 16 codes next to every code of its neighbours: 4 x 256 words for
+    # the bytes, then all 65536 values of each 16-bit half (the other half random)
+    gen = torch.Generator().manual_seed(45)
+    def rnd(n):
+        return torch.randint(0, 2**32, (n,), generator=gen, dtype=torch.int64)
+    v = torch.arange(256, dtype=torch.int64)
+    words = [(rnd(256) & ~(0xFF << (8 * b))) | (v << (8 * b)) for b in range(4)]
+    h = torch.arange(65536, dtype=torch.int64)
+    words += [(rnd(65536) & ~0xFFFF) | h, (rnd(65536) & 0xFFFF) | (h << 16)]
+    u = torch.cat(words)
+    return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
+
+
+@pytest.mark.parametrize("dec", [0, 2, 3], ids=["pair", "bytes", "bytes_ptx"])
+def test_decode_helpers_exhaustive(dec):
+    # every decode gives E2M1 * 2^-14 bit for bit (-0 included) for every code at every position:
+    # the byte forms are drop-in for _e2m1_pair. (bytes_ptx: CUDA only; the interpreter has no
+    # inline PTX)
+    if dec == 3 and (INTERPRET or DEVICE != "cuda"):
+        pytest.skip("inline PTX needs CUDA")
+    words = _all_byte_words()
+    N = words.numel()
+    out = torch.empty(8, N, dtype=FP32, device=DEVICE)
+    _decode_kernel[(triton.cdiv(N, 1024),)](words.to(DEVICE), out, N=N, BLOCK=1024, DEC=dec)
+    u = words.to(torch.int64) & 0xFFFFFFFF
+    table = torch.tensor(E2M1, dtype=FP32) * 2.0**-14
+    want = torch.stack([table[(u >> (4 * j)) & 15] for j in range(8)])  # [8, N]
+    assert torch.equal(out.cpu().view(torch.int32), want.view(torch.int32))
 
 
 # ===== determinism, split-K and its counters =====
