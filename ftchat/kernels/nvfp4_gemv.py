@@ -124,6 +124,8 @@ class Nvfp4Tiles:
 
 
 TC_TILES_K = 256  # the tensor-core default's chunk (bench_gemv.py --arms nvfp4 --sweep, session 9)
+ROWLOOP_K = 512  # the bs-1 row-loop default's chunk (session 11; it needs 512 and one warp)
+ROWLOOP_MIN_N = 8192  # ... for outputs this wide (measured at 16,384: >= 1,024 programs)
 
 
 def default_tiles(N4: int, Nt: int, K: int, rows: int = 1, bf16: bool = True) -> Nvfp4Tiles:
@@ -145,8 +147,17 @@ def default_tiles(N4: int, Nt: int, K: int, rows: int = 1, bf16: bool = True) ->
     From 2 rows of bf16 x (K a multiple of 256) the tensor-core tiles: 64 rows x 256 columns, 4
     warps, one chunk a program; measured (H200, session 9, same process) 24.4 us at bs 2 against
     27.7 for the one-warp tiles (and 23.9 against 21.4 at bs 1, where the one-warp tiles stay).
+    At bs 1 with bf16 x, K a multiple of 512 and at least ROWLOOP_MIN_N NVFP4 rows (the GDN qkv /
+    z, the only NVFP4 dense weight): the row-loop tiles (`rowloop`, x read once a chunk, the
+    bit-step decode), 8 rows x 512 columns, split 1 (N4 / 8 programs of K / 512 chunks): measured (H200, session 11,
+    bench_gemv.py --nvfp4-tiles, same process, graph replay) 11.30 us against 21.47 for the
+    tiles above at the GDN input projection [16384 + 96, 2560], the same max |diff| to the fp64
+    reference (2.4e-4); the PTX byte decode with them ran 10.73 us but its exhaustive decode test
+    has not run on a GPU yet, so the bit steps stay the default.
     """
-    del N4, Nt
+    del Nt
+    if rows == 1 and bf16 and K % ROWLOOP_K == 0 and N4 >= ROWLOOP_MIN_N:
+        return Nvfp4Tiles(block_n=8, block_k=ROWLOOP_K, split=1, warps=1, tail_n=4, rowloop=True)
     if rows >= 2 and bf16 and K % TC_TILES_K == 0:
         nk = K // TC_TILES_K
         return Nvfp4Tiles(block_n=64, block_k=TC_TILES_K, split=min(nk, 2 * SPLIT_MAX), warps=4,

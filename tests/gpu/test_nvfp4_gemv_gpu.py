@@ -241,17 +241,20 @@ def test_wrapper_rejects_what_it_cannot_take():
 
 
 def test_default_tiles_rule_and_sweep():
-    # the documented default at the decode shape: one-warp programs of 8 rows x 512 columns, one
-    # chunk each (split 5), tail blocks of 4 rows; thousands of programs for the real shapes
-    assert ng.default_tiles(*REAL, 1) == ng.Nvfp4Tiles(8, 512, 5, 1, 4)
+    # the documented default at the decode shape, bs 1: the row loop, one-warp programs of 8 rows
+    # over 5 chunks of 512 columns (split 1); narrower outputs and fp32 x: 8 x 512 split 5
+    assert ng.default_tiles(*REAL, 1) == ng.Nvfp4Tiles(8, 512, 1, 1, 4, rowloop=True)
+    assert ng.launch_plan(2560, ng.default_tiles(*REAL)) == (512, 1, 5)
+    assert ng.default_tiles(*REAL, 1, bf16=False) == ng.Nvfp4Tiles(8, 512, 5, 1, 4)
+    assert ng.default_tiles(4096, 96, 2560, 1) == ng.Nvfp4Tiles(8, 512, 5, 1, 4)
+    assert ng.default_tiles(*REAL, 1) in ng.SWEEP
     # from two bf16 rows the tensor-core tiles, one 256-column chunk a program; fp32 x keeps
     # the one-warp tiles
     assert ng.default_tiles(*REAL, 2) == ng.Nvfp4Tiles(64, 256, 10, 4, 4, tc=True)
     assert ng.default_tiles(*REAL, 8) == ng.default_tiles(*REAL, 2)
-    assert ng.default_tiles(*REAL, 2, bf16=False) == ng.default_tiles(*REAL, 1)
-    assert ng.launch_plan(2560, ng.default_tiles(*REAL)) == (512, 5, 1)
+    assert ng.default_tiles(*REAL, 2, bf16=False) == ng.default_tiles(*REAL, 1, bf16=False)
     for N4, K in ((16384, 2560), (10240, 2560), (6144, 2560), (2560, 6144), (4096, 1024)):
-        t = ng.default_tiles(N4, 96, K)
+        t = ng.default_tiles(N4, 96, K, bf16=False)  # the split tiles: thousands of programs
         bk, split, cpp = ng.launch_plan(K, t)
         assert (bk, split) == (t.block_k, t.split) and cpp <= 2 and K % (bk * cpp) == 0
         assert t.warps == 1 and t.block_n == 8 and bk == 512
@@ -262,7 +265,8 @@ def test_default_tiles_rule_and_sweep():
         assert 2560 % (bk * cpp) == 0, t  # no mask along K at the decode shape
         assert not (t.x1d and t.rowloop) and not (t.tc and (t.x1d or t.rowloop)), t
         assert not t.rowloop or (bk == 512 and t.warps == 1), t  # a group a lane (Nvfp4Tiles)
-    assert len(set(ng.SWEEP)) == len(ng.SWEEP) and ng.SWEEP[0] == ng.default_tiles(*REAL)
+    assert len(set(ng.SWEEP)) == len(ng.SWEEP)
+    assert ng.SWEEP[0] == ng.default_tiles(*REAL, bf16=False)  # the split tiles first
     # the x-once tiles, each decode, split 1 and 5 among them
     for flag in ("x1d", "rowloop"):
         mine = [t for t in ng.SWEEP if getattr(t, flag)]
