@@ -26,7 +26,7 @@ for mode in "$@"; do
       timeout ${KB_S:-120} python3 benchmarks/bench_hyper_router.py --ops topk,route,moe_route --bs 1,2 \
         --out "$O/bench_router_s11.json" > "$L/router.log" 2>&1; echo "bench_hyper_router rc=$?"
       grep -vE "^\s*$" "$L/router.log" | cut -c1-220 | tail -20
-      timeout ${KB_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 ${NV_TILES:+--nvfp4-tiles $NV_TILES} ${NV_TILES:---sweep} \
+      timeout ${KB_S:-150} python3 benchmarks/bench_gemv.py --arms nvfp4 --bs 1,2 ${NV_TILES:+--nvfp4-tiles $NV_TILES} $([ -z "$NV_TILES" ] && echo --sweep) \
         --out "$O/bench_gemv_nvfp4_s11.json" > "$L/gemv.log" 2>&1; echo "bench_gemv rc=$?"
       grep -vE "^\s*$" "$L/gemv.log" | cut -c1-220 | tail -45 ;;
     dec48)  # the 48-layer resident decode at 4K, PDL on (the defaults), one arm
