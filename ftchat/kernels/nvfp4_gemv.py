@@ -263,6 +263,18 @@ def _codes(w, DEC: tl.constexpr):
 
 
 @_jit
+def _program_span(w_ptr, s_ptr, n, s, K: tl.constexpr, KS: tl.constexpr):
+    # rows n's word and scale pointers [BLOCK_N, 1], and program s's span of a row: its first
+    # word and group (kw0, kg0) and their ends (kwe, kge), clamped to K
+    w_rows = w_ptr + n[:, None] * (K // 8)
+    s_rows = s_ptr + n[:, None] * (K // 16)
+    kw0 = s * (KS // 8)
+    kg0 = s * (KS // 16)
+    return (w_rows, s_rows, kw0, kg0, tl.minimum(kw0 + KS // 8, K // 8),
+            tl.minimum(kg0 + KS // 16, K // 16))
+
+
+@_jit
 def _fp4_chunk(w_rows, s_rows, n_ok, kw, kg, kwe, kge, ww, gg, EVEN_K: tl.constexpr):
     # one chunk's words [BLOCK_N, BW] (from word kw) and scale bytes [BLOCK_N, BG] (from group
     # kg = kw / 2); kwe, kge: the program's bounds (unused when EVEN_K: every chunk lies in K)
@@ -299,12 +311,7 @@ def _fp4_rows(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.constexpr
     ww = tl.arange(0, BW)
     gg = tl.arange(0, BG)
     bb = tl.arange(0, RB)[None, :]
-    w_rows = w_ptr + n[:, None] * (K // 8)  # [BLOCK_N, 1]
-    s_rows = s_ptr + n[:, None] * (K // 16)
-    kw0 = s * (KS // 8)  # the program's first word and group of a row
-    kg0 = s * (KS // 16)
-    kwe = tl.minimum(kw0 + KS // 8, K // 8)
-    kge = tl.minimum(kg0 + KS // 16, K // 16)
+    w_rows, s_rows, kw0, kg0, kwe, kge = _program_span(w_ptr, s_ptr, n, s, K, KS)
     undo = 64.0 if DEC == 1 else 16384.0  # the decode's power of two, undone exactly with the scale
     acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
     w, sc = _fp4_chunk(w_rows, s_rows, n_ok, kw0, kg0, kwe, kge, ww, gg, EVEN_K)
@@ -408,12 +415,7 @@ def _fp4_rows_x1d(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.const
     ww = tl.arange(0, BW)
     gg = tl.arange(0, BG)
     bb = tl.arange(0, RB)[None, :]
-    w_rows = w_ptr + n[:, None] * (K // 8)  # [BLOCK_N, 1]
-    s_rows = s_ptr + n[:, None] * (K // 16)
-    kw0 = s * (KS // 8)
-    kg0 = s * (KS // 16)
-    kwe = tl.minimum(kw0 + KS // 8, K // 8)
-    kge = tl.minimum(kg0 + KS // 16, K // 16)
+    w_rows, s_rows, kw0, kg0, kwe, kge = _program_span(w_ptr, s_ptr, n, s, K, KS)
     acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
     w, sc = _fp4_chunk(w_rows, s_rows, n_ok, kw0, kg0, kwe, kge, ww, gg, EVEN_K)
     pdl_wait(PDL)
@@ -528,12 +530,7 @@ def _fp4_rows_tc(w_ptr, s_ptr, x_ptr, n, n_ok, s, K: tl.constexpr, KS: tl.conste
     gg = tl.arange(0, BG)
     kk = tl.arange(0, BLOCK_K)
     bb = tl.arange(0, RB)
-    w_rows = w_ptr + n[:, None] * (K // 8)
-    s_rows = s_ptr + n[:, None] * (K // 16)
-    kw0 = s * (KS // 8)
-    kg0 = s * (KS // 16)
-    kwe = tl.minimum(kw0 + KS // 8, K // 8)
-    kge = tl.minimum(kg0 + KS // 16, K // 16)
+    w_rows, s_rows, kw0, kg0, kwe, kge = _program_span(w_ptr, s_ptr, n, s, K, KS)
     acc = tl.zeros([BLOCK_N, RB], dtype=tl.float32)
     w, sc = _fp4_chunk(w_rows, s_rows, n_ok, kw0, kg0, kwe, kge, ww, gg, EVEN_K)
     pdl_wait(PDL)
