@@ -21,6 +21,7 @@ from ftchat.settings import Settings
     ("on:overlap=maybe", "--overlap 'maybe': expected 1 or 0"),
     ("on:fused=2", "fused='2': expected 1 or 0"),
     ("resident:pdl=yes", "pdl='yes': expected 1 or 0"),
+    ("resident:rowloop=on", "rowloop='on': expected 1 or 0"),
     ("resident:budget=3", "resident takes only fused"),
 ])
 def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
@@ -30,11 +31,13 @@ def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
 
 def test_arms_parse_into_settings():
     arms = parse_arms("resident; off:eviction=lru ;on:budget=4,overlap=0;resident:fused=0;"
-                      "resident:pdl=0;off:pdl=0", Settings())
+                      "resident:pdl=0;off:pdl=0;resident:rowloop=0", Settings())
     assert arms["resident"].settings is None and arms["resident"].fused and arms["resident"].pdl
     assert arms["resident:fused=0"].settings is None and not arms["resident:fused=0"].fused
     assert arms["resident:pdl=0"].fused and not arms["resident:pdl=0"].pdl
     assert arms["off:pdl=0"].settings.prefetch == "off" and not arms["off:pdl=0"].pdl
+    assert arms["resident"].rowloop and not arms["resident:rowloop=0"].rowloop
+    assert arms["resident:rowloop=0"].fused and arms["resident:rowloop=0"].pdl
     assert arms["off:eviction=lru"].settings.eviction == "lru"
     on = arms["on:budget=4,overlap=0"].settings
     assert (on.prefetch, on.budget_gdn, on.budget_attn, on.overlap) == ("on", 4, 4, False)

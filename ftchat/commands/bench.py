@@ -4,6 +4,7 @@ Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:
 `resident:fused=0`) gets its own expert backend and decode state over the same loaded weights;
 every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
 kernel's before/after); `pdl=0` launches the fused kernels without programmatic dependent launch;
+`rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
 `off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
 rounds one more step of each arm is profiled: kernels per step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
@@ -24,7 +25,7 @@ import torch
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
-from ftchat.kernels import fused_kernels, pdl_kernels
+from ftchat.kernels import fused_kernels, pdl_kernels, rowloop_kernels
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.offload.backend import StagedExperts
 from ftchat.profile import profile_call
@@ -40,12 +41,13 @@ class ArmSpec:
     settings: Settings | None  # None: every expert resident
     fused: bool = True  # the fused decode kernels (False: the torch path)
     pdl: bool = True  # ... launched with programmatic dependent launch where the GPU has it
+    rowloop: bool = True  # the NVFP4 decode kernels' row-loop defaults (False: the tiled ones)
 
 
 @contextmanager
-def arm_kernels(fused: bool, pdl: bool) -> Iterator[None]:
+def arm_kernels(spec: ArmSpec) -> Iterator[None]:
     """An arm's kernel switches around its capture, its rounds and its profiled step."""
-    with fused_kernels(fused), pdl_kernels(pdl):
+    with fused_kernels(spec.fused), pdl_kernels(spec.pdl), rowloop_kernels(spec.rowloop):
         yield
 
 
@@ -61,18 +63,19 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         if not eq or not v.strip():
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
-    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl")}
+    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop")}
     for k, v in switches.items():
         if v not in ("0", "1"):
             raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
     if head == "resident" and flags:
-        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=0|1 and pdl=0|1")
+        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl= and "
+                          "rowloop= (0 or 1)")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
     except FtchatError as e:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
-    return ArmSpec(s, switches["fused"] == "1", switches["pdl"] == "1")
+    return ArmSpec(s, *(switches[k] == "1" for k in ("fused", "pdl", "rowloop")))
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
@@ -106,7 +109,7 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
     s = spec.settings
     before, t = _allocated(m), time.perf_counter()
     ex = resident if s is None else build_experts(m, s)
-    with arm_kernels(spec.fused, spec.pdl):  # a captured graph keeps the choice
+    with arm_kernels(spec):  # a captured graph keeps the choice
         cfg = base if s is None else s
         dec = Decoder(m, ex, 1, max_len, graph=cfg.use_graph(), kv_dtype=cfg.kv_torch_dtype())
         steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
@@ -121,7 +124,7 @@ def run_round(arm: Arm, steps: int) -> None:
     before = arm.experts.stats()
     _sync(arm.device)
     t = time.perf_counter()
-    with arm_kernels(arm.spec.fused, arm.spec.pdl):
+    with arm_kernels(arm.spec):
         for _ in range(steps):
             next(arm.steps)
     _sync(arm.device)
@@ -153,7 +156,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     L = m.args.num_hidden_layers
     out = {}
     for a in built:
-        with arm_kernels(a.spec.fused, a.spec.pdl):
+        with arm_kernels(a.spec):
             prof = profile_call(lambda: next(a.steps), m.device)  # None off CUDA
         c, total = a.counts, a.experts.stats()
         out[a.name] = {

@@ -91,3 +91,25 @@ def pdl_kernels(on: bool) -> Iterator[None]:
         yield
     finally:
         _pdl_on = prev
+
+
+_rowloop_on = True
+
+
+def use_rowloop() -> bool:
+    """Whether the NVFP4 decode kernels take their row-loop defaults (the GDN input projection's
+    GEMV at bs 1, the routed experts' kernel 1), unless switched off with `rowloop_kernels(False)`:
+    then the tiled defaults from before them (bench's before/after arms)."""
+    return _rowloop_on
+
+
+@contextmanager
+def rowloop_kernels(on: bool) -> Iterator[None]:
+    """Within the block the NVFP4 decode kernels take (on) or skip (off) their row-loop defaults;
+    a CUDA graph captured inside keeps the choice."""
+    global _rowloop_on
+    prev, _rowloop_on = _rowloop_on, on
+    try:
+        yield
+    finally:
+        _rowloop_on = prev

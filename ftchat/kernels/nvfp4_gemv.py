@@ -81,7 +81,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import (HAS_TRITON, jit as _jit, pdl_launch, tl, triton,  # noqa: F401
+                            use_fused, use_rowloop)
 from ftchat.kernels.fp4 import _e2m1_bytes, _e2m1_bytes_ptx, _e2m1_pair, _e2m1_word
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
@@ -156,7 +157,7 @@ def default_tiles(N4: int, Nt: int, K: int, rows: int = 1, bf16: bool = True) ->
     has not run on a GPU yet, so the bit steps stay the default.
     """
     del Nt
-    if rows == 1 and bf16 and K % ROWLOOP_K == 0 and N4 >= ROWLOOP_MIN_N:
+    if rows == 1 and bf16 and K % ROWLOOP_K == 0 and N4 >= ROWLOOP_MIN_N and use_rowloop():
         return Nvfp4Tiles(block_n=8, block_k=ROWLOOP_K, split=1, warps=1, tail_n=4, rowloop=True)
     if rows >= 2 and bf16 and K % TC_TILES_K == 0:
         nk = K // TC_TILES_K

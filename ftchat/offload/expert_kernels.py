@@ -15,6 +15,12 @@ Two kernel sets (`DecodeTiles.variant`), same math, selectable so the benchmark 
 * "v3": v2 with the NVFP4 codes decoded by inline PTX through the hardware e4m3 -> f16
   conversion (`_E2M1_E4M3_PTX`: ~12 % fewer instructions per weight in sm_90 SASS). The
   interpreter cannot run PTX: there v3 runs v2's decode, so only the device tests check it.
+* "v4" (NVFP4, D a multiple of gate_up_k): kernel 1 in the dense NVFP4 GEMV's row-loop form
+  (ftchat/kernels/nvfp4_gemv.py `_fp4_rows_loop`, 1.9x faster than the tiled form at the GDN
+  input projection): one warp a program, its gate_up_rows gate rows and as many up rows one at a
+  time in a static loop, every tensor 1-D over a chunk's scale groups (a group a lane at 512
+  columns), x read once a chunk for all rows, all of a chunk's words in flight with the next
+  chunk's; a group's 16 products in one fp32 chain. Kernel 2 is v2's.
 NVFP4 rows are dequantized in the kernel: per 16-element group sum E2M1 * x, times the fp32 block
 scale, summed over the reduction, times the row's global once after the loop (docs/model.md
 section 10, "Routed experts"). A program reads only its slot's bytes, so the result does not
@@ -43,13 +49,15 @@ from ftchat.model.expert_backend import SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels import (HAS_TRITON, jit as _jit, pdl_launch, tl, triton,  # noqa: F401
+                            use_rowloop)
 from ftchat.kernels.fp4 import (  # noqa: F401 (importable from here too)
     _E2M1_E4M3_PTX, _PTX, _e2m1_pair, _e2m1_word)
+from ftchat.kernels.nvfp4_gemv import DEC_BITS, _codes, _group_sum, _row_chunk, _x_groups
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
-VARIANTS = ("v1", "v2", "v3")
+VARIANTS = ("v1", "v2", "v3", "v4")
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at decoration, as here
 
 
@@ -76,9 +84,16 @@ def default_tiles(layout: RowLayout) -> DecodeTiles:
     # per graph, rows beyond L2): v2 at 8 gate_up rows / 2 warps, 64 down rows / 4 warps,
     # 23.0 us at bs 1 and 34.7 us at bs 2, against v1's 37.3 / 54.3 us in the same process
     # (docs/performance.md). Dense rows are plainly memory-bound.
+    # v4 (kernel 1 as a row loop) where its tiles apply, unless the row-loop kernels are
+    # switched off (`kernels.rowloop_kernels`): measured below.
     if layout.kind == "nvfp4":
+        if use_rowloop() and v4_applies(layout, V4_TILES):
+            return V4_TILES
         return DecodeTiles(8, 512, 2, 64, 128, 4, variant="v2")
     return DecodeTiles(16, 128, 4, 32, 128, 4)
+
+
+V4_TILES = DecodeTiles(4, 512, 1, 64, 128, 4, variant="v4")
 
 
 # ===== device helpers =====
@@ -394,6 +409,61 @@ def _down_combine_kernel(h_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, y_ptr, weight
             tl.store(cnt, 0)
 
 
+# ----- v4 -----
+
+
+@_jit
+def _gate_up_v4_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8, ROW_F32,
+                       D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, W_OFF: tl.constexpr,
+                       S_OFF: tl.constexpr, G_OFF: tl.constexpr, HB: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BF16: tl.constexpr, DEC: tl.constexpr,
+                       PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait(PDL)  # the slot ids come from the kernel before: no weight address is known earlier
+    # grid (T * K, I / HB); x [T, D] -> h [T, K, I] fp32, word-major (as v2). Rows r < HB of the
+    # program are gate rows h0 + r, rows HB + r the up rows I + h0 + r
+    BG: tl.constexpr = BLOCK_K // 16
+    CPP: tl.constexpr = D // BLOCK_K
+    tk = tl.program_id(0)
+    h0 = tl.program_id(1) * HB
+    slot = tl.load(slots_ptr + tk).to(tl.int64)
+    gg = tl.arange(0, BG)
+    pair = 2 * gg[:, None] + tl.arange(0, 2)[None, :]  # [BG, 2] a group's word pair
+    wb = w_ptr + slot * ROW_W + W_OFF + h0 * (D // 8) + pair  # gate row h0, first chunk
+    sb = u8_ptr + slot * ROW_U8 + S_OFF + h0 * (D // 16) + gg
+    UP_W: tl.constexpr = I * (D // 8)  # from a gate row to its up row
+    UP_S: tl.constexpr = I * (D // 16)
+    wg, sg = _row_chunk(wb, sb, h0, 0, 0, D // 16, gg, I, D, HB, True)
+    wu, su = _row_chunk(wb + UP_W, sb + UP_S, h0, 0, 0, D // 16, gg, I, D, HB, True)
+    ws, ss = wg + wu, sg + su
+    accs = ()
+    for r in tl.static_range(2 * HB):
+        accs = accs + (tl.zeros([BG], dtype=tl.float32),)
+    for c in tl.static_range(CPP):
+        if c + 1 < CPP:
+            wg, sg = _row_chunk(wb, sb, h0, c + 1, 0, D // 16, gg, I, D, HB, True)
+            wu, su = _row_chunk(wb + UP_W, sb + UP_S, h0, c + 1, 0, D // 16, gg, I, D, HB, True)
+        xs = _x_groups(x_ptr, tk // K, c * BG, gg, gg < BG, D, True, BF16)
+        nxt = ()
+        for r in tl.static_range(2 * HB):
+            we, wo = tl.split(ws[r])  # [BG] each: words 2g, 2g + 1
+            scale = ss[r].to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            nxt = nxt + (accs[r] + _group_sum(_codes(we, DEC), _codes(wo, DEC), xs, False) * scale,)
+        accs = nxt
+        if c + 1 < CPP:
+            ws, ss = wg + wu, sg + su
+    undo = 64.0 if DEC == 1 else 16384.0  # the decode's power of two (exact)
+    g_ptr = f32_ptr + slot * ROW_F32 + G_OFF + h0
+    out = h0 + tl.arange(0, HB)
+    hh = tl.arange(0, HB)
+    h = tl.zeros([HB], dtype=tl.float32)
+    for r in tl.static_range(HB):
+        g = tl.sum(accs[r], axis=0) * undo * tl.load(g_ptr + r)
+        u = tl.sum(accs[HB + r], axis=0) * undo * tl.load(g_ptr + I + r)
+        h = tl.where(hh == r, g * tl.sigmoid(g) * u, h)
+    tl.store(h_ptr + tk * I + (out % 8) * (I // 8) + out // 8, h)
+
+
 # ----- the shared expert's activation -----
 
 
@@ -419,6 +489,14 @@ def _shared_act_kernel(gu_ptr, h_ptr, GU_STRIDE, I: tl.constexpr, BLOCK: tl.cons
 
 
 # ===== wrapper =====
+
+
+def v4_applies(layout: RowLayout, tiles: DecodeTiles) -> bool:
+    """Whether the v4 kernel 1 runs these tiles on this layout: NVFP4, whole chunks of at least
+    16 columns along D, whole h blocks along I (no masks in the row loop)."""
+    k, n = tiles.gate_up_k, tiles.gate_up_rows
+    return (layout.kind == "nvfp4" and k >= 16 and k & (k - 1) == 0 and layout.hidden % k == 0
+            and layout.inter % n == 0)
 
 
 def _block(n: int, cap: int) -> tuple[int, bool]:
@@ -508,9 +586,17 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
         return out
     nb = triton.cdiv(D, n2)
     asm = tiles.variant == "v3" and not INTERPRET  # v3: v2 with the inline-PTX decode
-    _gate_up_v2_kernel[(T * K, triton.cdiv(I, n1))](
-        x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1, num_warps=tiles.gate_up_warps,
-        ASM=asm, **gate_up, **pdl_launch(x))
+    if tiles.variant == "v4":
+        assert v4_applies(layout, tiles), (layout, tiles)
+        _gate_up_v4_kernel[(T * K, I // n1)](
+            x, *banks, slots, h, *strides, D=D, I=I, K=K, W_OFF=gate_up["W_OFF"],
+            S_OFF=gate_up["S_OFF"], G_OFF=gate_up["G_OFF"], HB=n1, BLOCK_K=tiles.gate_up_k,
+            BF16=x.dtype == torch.bfloat16, DEC=DEC_BITS, num_warps=tiles.gate_up_warps,
+            **pdl_launch(x))
+    else:
+        _gate_up_v2_kernel[(T * K, triton.cdiv(I, n1))](
+            x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1,
+            num_warps=tiles.gate_up_warps, ASM=asm, **gate_up, **pdl_launch(x))
     _down_combine_kernel[(T * K, nb)](
         h, *banks, slots, y, weights, out, counters(x.device, T * nb, "routed"),
         ROW_W=strides[0], ROW_U8=strides[1], ROW_F32=strides[2], D=D, I=I, K=K, BLOCK_N=n2,

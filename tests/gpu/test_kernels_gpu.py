@@ -181,3 +181,65 @@ def test_dispatcher_picks_the_path_for_the_device():
     else:
         want = ek.routed_experts_triton(*args[:4], args[5])
     assert torch.equal(got, want)
+
+
+# ----- v4: kernel 1 in the row-loop form -----
+
+V4_CASES = [  # (D, I, gate_up_k, gate_up_rows): chunks a program, groups a lane
+    (128, 32, 64, 4),  # 2 chunks of 4 groups (groups replicated across the warp's lanes)
+    (512, 64, 512, 4),  # 1 chunk, a group a lane (the real geometry's tile)
+    (1024, 48, 512, 8),  # 2 chunks, 8 h rows a program (16 rows in the loop)
+]
+
+
+def _v4(D, k, n):
+    del D  # the tile does not depend on it; v4_applies checks the pair
+    return ek.DecodeTiles(gate_up_rows=n, gate_up_k=k, gate_up_warps=1, down_rows=32,
+                          down_k=128, down_warps=4, variant="v4")
+
+
+@pytest.mark.parametrize("D,I,k,n", V4_CASES)
+@pytest.mark.parametrize("T", [1, 2])
+def test_experts_v4_match_reference_and_v2(D, I, k, n, T):
+    layout, bank, slot_of, ids, w, x = _case("nvfp4", T, 5, exact=False, seed=D + T, D=D, I=I)
+    tiles = _v4(D, k, n)
+    assert ek.v4_applies(layout, tiles)
+    slots = slot_of[ids]
+    ref = routed_experts(x, bank, layout, slots, ids, w)
+    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w), tiles=tiles).cpu()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    xb = x.bfloat16()
+    mirror = ek.routed_experts_decode_ref(xb, bank, layout, slots, w).float()
+    got_b = ek.routed_experts_triton(*_on(xb, bank), layout, *_on(slots, w), tiles=tiles).cpu()
+    v2 = ek.routed_experts_triton(*_on(xb, bank), layout, *_on(slots, w)).cpu()
+    torch.testing.assert_close(got_b.float(), mirror, rtol=2**-7, atol=1e-6)
+    # two fp32 orders each within half an ulp of their own sum: one bf16 ulp apart at most
+    torch.testing.assert_close(got_b.float(), v2.float(), rtol=2**-7, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_v4_exact_inputs_bit_identical(dtype):
+    layout, bank, slot_of, ids, w, x = _case("nvfp4", 2, 4, exact=True, seed=7, D=128, I=32)
+    slots = slot_of[ids]
+    ref = routed_experts(x, bank, layout, slots, ids, w)
+    assert torch.equal(ref.double(), _exact_f64(x, bank, layout, slots, w))  # the premise
+    got = ek.routed_experts_triton(*_on(x.to(dtype), bank), layout, *_on(slots, w),
+                                   tiles=_v4(128, 64, 4)).cpu()
+    assert torch.equal(got, ref.to(dtype))
+
+
+def test_experts_v4_do_not_depend_on_the_slot():
+    layout, bank, slot_of, ids, w, x = _case("nvfp4", 2, 5, exact=False, seed=11, D=512, I=64)
+    x, tiles = x.bfloat16(), _v4(512, 512, 4)
+    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
+    bank2, slot_of2 = place(bank[slot_of], bank.shape[0] - 1, torch.Generator().manual_seed(12))
+    assert not torch.equal(slot_of2, slot_of)
+    got2 = ek.routed_experts_triton(*_on(x, bank2), layout, *_on(slot_of2[ids], w), tiles=tiles)
+    assert torch.equal(got.cpu(), got2.cpu())
+
+
+def test_v4_applies_only_to_whole_nvfp4_tiles():
+    assert not ek.v4_applies(RowLayout("bf16", 512, 64), _v4(512, 512, 4))
+    assert not ek.v4_applies(RowLayout("nvfp4", 640, 64), _v4(512, 512, 4))  # D % 512
+    assert not ek.v4_applies(RowLayout("nvfp4", 512, 36), _v4(512, 512, 8))  # I % 8
+    assert ek.v4_applies(RowLayout("nvfp4", 2560, 640), _v4(2560, 512, 4))
