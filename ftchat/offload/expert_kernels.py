@@ -85,7 +85,9 @@ def default_tiles(layout: RowLayout) -> DecodeTiles:
     # 23.0 us at bs 1 and 34.7 us at bs 2, against v1's 37.3 / 54.3 us in the same process
     # (docs/performance.md). Dense rows are plainly memory-bound.
     # v4 (kernel 1 as a row loop) where its tiles apply, unless the row-loop kernels are
-    # switched off (`kernels.rowloop_kernels`): measured below.
+    # switched off (`kernels.rowloop_kernels`): 2 h rows of 512 columns per one-warp program
+    # measured 24.9 us at bs 1 and 30.2 us at bs 2 on the H200 against v2's 28.2 / 36.2 us in
+    # the same process (4 h rows: 34.6 / 33.4 us; docs/performance.md, session 12).
     if layout.kind == "nvfp4":
         if use_rowloop() and v4_applies(layout, V4_TILES):
             return V4_TILES
@@ -93,7 +95,7 @@ def default_tiles(layout: RowLayout) -> DecodeTiles:
     return DecodeTiles(16, 128, 4, 32, 128, 4)
 
 
-V4_TILES = DecodeTiles(4, 512, 1, 64, 128, 4, variant="v4")
+V4_TILES = DecodeTiles(2, 512, 1, 64, 128, 4, variant="v4")
 
 
 # ===== device helpers =====

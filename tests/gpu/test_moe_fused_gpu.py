@@ -130,7 +130,27 @@ class SimpleCase:
     w: dict
 
 
+def _v4_tiles(layout: RowLayout, tiles: ek.DecodeTiles) -> ek.DecodeTiles:
+    # v4 needs whole chunks along D: the widest power of two up to gate_up_k dividing D; the
+    # default's 2 h rows per program on the GPU, fewer programs in the interpreter
+    k = tiles.gate_up_k
+    while layout.hidden % k:
+        k //= 2
+    rows = tiles.gate_up_rows if INTERPRET else ek.V4_TILES.gate_up_rows
+    v4 = dataclasses.replace(tiles, gate_up_rows=rows, gate_up_k=k, gate_up_warps=1,
+                             variant="v4")
+    assert ek.v4_applies(layout, v4), (layout, v4)
+    return v4
+
+
+# v4 runs NVFP4 rows only (ek.v4_applies; default_tiles never gives it bf16 rows)
+KIND_VARIANTS = [(k, v) for k in ("nvfp4", "bf16") for v in ek.VARIANTS
+                 if (k, v) != ("bf16", "v4")]
+
+
 def _tiles(c: SimpleCase, variant: str) -> ek.DecodeTiles:
+    if variant == "v4":
+        return _v4_tiles(c.layout, _tiles(c, "v2"))
     if INTERPRET and c.layout.hidden >= 1024:  # few big programs: seconds instead of minutes
         return ek.DecodeTiles(64, 4096, 4, 256, 1024, 4, 2048, variant)
     return dataclasses.replace(ek.default_tiles(c.layout), variant=variant)
@@ -222,8 +242,7 @@ def test_moe_fused_matches_reference(geo, rows, dtype, variant):
     assert _close(got, engine, dtype, engine=True)
 
 
-@pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
-@pytest.mark.parametrize("variant", ek.VARIANTS)
+@pytest.mark.parametrize("kind,variant", KIND_VARIANTS)
 def test_moe_fused_dense_rows_and_masked_steps(kind, variant):
     # dense (bf16) expert rows too, and D = 80 / I = 48: no large power-of-two step divides them
     D, I, E, K = 80, 48, 12, 3
@@ -236,6 +255,8 @@ def test_moe_fused_dense_rows_and_masked_steps(kind, variant):
                    weights.bfloat16().to(DEVICE), x.to(DEVICE),
                    _shared_weights(D, I, torch.bfloat16, gen))
     tiles = ek.DecodeTiles(16, 128, 2, 16, 32, 2, 32, variant)
+    if variant == "v4":  # D = 80: chunks of 16
+        tiles = _v4_tiles(layout, tiles)
     assert not ek._gemv_args(layout, "gate_up", D, 128)["EVEN"]
     got = ek.routed_experts_triton(c.x, c.bank, layout, c.slots, c.weights, tiles,
                                    q.shared_expert_parts(c.x, c.w))
