@@ -292,3 +292,39 @@ def test_a_small_bank_keeps_its_own_staging(tiny_nvfp4):
     prefill(m, st, 0, torch.tensor(PROMPTS[1][0]), 0, staged)
     assert all(torch.equal(x, y) for x, y in
                zip(before, (ex.maps.slot_of, ex.maps.id_of, ex.maps.key)))
+
+
+@pytest.mark.parametrize("prefetch", ["off", "on"])
+def test_decode_after_a_streamed_prefill_is_the_resident_run(tiny_nvfp4, prefetch, monkeypatch):
+    """A prompt prefilled with layer streaming (CUDA's staging path, here on the CPU's stream
+    emulation, the chunk threshold lowered to the tiny prompt), then decoded from the slot cache
+    with prefetch off and on: the resident run's tokens and logits, bit for bit. Control: the MoE
+    block not waiting for the streamed copy (it reads the previous layer's experts) moves them."""
+    from ftchat.engine import Decoder, build_experts, decode
+    from ftchat.offload import backend
+
+    monkeypatch.setattr(backend, "STREAM_MIN_TOKENS", 8)
+    m = model(tiny_nvfp4)
+    E, L = m.args.num_experts, m.args.num_hidden_layers
+    prompt = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(8)).tolist()
+
+    def run(experts):
+        out = list(decode(Decoder(m, experts, 1, 64), [prompt], [0], [16]))
+        return [s.tokens for s in out], torch.stack([s.logits for s in out])
+
+    ref_tokens, ref_logits = run(resident_backend(m))
+    ex = build_experts(m, Settings(slots=24, batch_size=1, prefetch=prefetch))
+    staged = []
+    monkeypatch.setattr(ex, "for_prefill", lambda: staged.append(ex.staged_prefill()) or staged[-1])
+    tokens, logits = run(ex)
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    assert len(staged) == 1 and int(staged[0].rows_from_host) >= (L - 1) * E  # layers streamed
+    st = ex.stats()
+    assert st["misses"] > 0 and (st["prefetch_installs"] > 0) == (prefetch == "on")
+
+    begin = backend.StagedExperts.begin
+    monkeypatch.setattr(backend.StagedExperts, "begin",
+                        lambda self, *a: dataclasses.replace(begin(self, *a), ready=None))
+    ex = build_experts(m, Settings(slots=24, batch_size=1, prefetch=prefetch))
+    monkeypatch.setattr(ex, "for_prefill", ex.staged_prefill)
+    assert not torch.equal(run(ex)[1], ref_logits)
