@@ -6,7 +6,7 @@ both row kinds. fp32: within 1e-6 relative, with a negative control.
 
 A per-token loop (a GEMM of one row) is not the reference: on a CPU with native bf16 dot products
 a GEMM of one row and a GEMM of many may block the fp32 reduction differently, so one bf16 output
-in thousands moves by an ulp (seen on CI's AVX512 host: 1 of 2,560 at T=40)."""
+in thousands moves by an ulp (CI failed on it; on an AVX512 host: 1 of 2,560 at T=40)."""
 
 from __future__ import annotations
 

@@ -187,7 +187,7 @@ def test_dispatcher_picks_the_path_for_the_device():
 
 V4_CASES = [  # (D, I, gate_up_k, gate_up_rows): chunks a program, groups a lane
     (128, 32, 64, 4),  # 2 chunks of 4 groups (groups replicated across the warp's lanes)
-    (512, 64, 512, 4),  # 1 chunk, a group a lane (the real geometry's tile)
+    (512, 64, 512, 2),  # 1 chunk, a group a lane, 2 h rows (the default tile)
     (1024, 48, 512, 8),  # 2 chunks, 8 h rows a program (16 rows in the loop)
 ]
 
