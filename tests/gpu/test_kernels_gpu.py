@@ -188,6 +188,7 @@ def test_dispatcher_picks_the_path_for_the_device():
 V4_CASES = [  # (D, I, gate_up_k, gate_up_rows): chunks a program, groups a lane
     (128, 32, 64, 4),  # 2 chunks of 4 groups (groups replicated across the warp's lanes)
     (512, 64, 512, 2),  # 1 chunk, a group a lane, 2 h rows (the default tile)
+    (512, 64, 512, 1),  # one h row a program (the bs-1 default)
     (1024, 48, 512, 8),  # 2 chunks, 8 h rows a program (16 rows in the loop)
 ]
 
@@ -243,3 +244,17 @@ def test_v4_applies_only_to_whole_nvfp4_tiles():
     assert not ek.v4_applies(RowLayout("nvfp4", 640, 64), _v4(512, 512, 4))  # D % 512
     assert not ek.v4_applies(RowLayout("nvfp4", 512, 36), _v4(512, 512, 8))  # I % 8
     assert ek.v4_applies(RowLayout("nvfp4", 2560, 640), _v4(2560, 512, 4))
+
+
+def test_routed_default_tiles_rule():
+    # the H200 sweep's picks (docs/performance.md, sessions 12-13): v4 with one h row a program
+    # at bs 1, two from bs 2; v2 where v4 does not divide the shape or the row loop is off
+    from ftchat.kernels import rowloop_kernels
+
+    real = RowLayout("nvfp4", 2560, 640)
+    assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1 and ek.V4_TILES_BS1.gate_up_rows == 1
+    assert ek.default_tiles(real, 2) == ek.default_tiles(real, 8) == ek.V4_TILES
+    assert ek.default_tiles(RowLayout("nvfp4", 640, 64), 1).variant == "v2"  # D % 512
+    assert ek.default_tiles(RowLayout("bf16", 2560, 640), 1).variant == "v1"
+    with rowloop_kernels(False):
+        assert ek.default_tiles(real, 1).variant == "v2"

@@ -52,7 +52,6 @@ import torch.nn.functional as F
 from ftchat.kernels import fused_kernels, gemv, router, sync
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
-from ftchat.model.expert_backend import SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload import expert_kernels as ek
 from ftchat.offload.backend import ResidentExperts
