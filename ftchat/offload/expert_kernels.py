@@ -1,6 +1,6 @@
 """Routed experts for decode, reading weights straight from the slot bank by slot id (Triton).
 
-Two kernel sets (`DecodeTiles.variant`), same math, selectable so the benchmark compares them:
+Four kernel sets (`DecodeTiles.variant`), same math, selectable so the benchmark compares them:
 * "v1" (the measured baseline, docs/performance.md): (1) one program per (token, k, block of I
   rows): the gate and up GEMVs in one tile, h = silu(g) * u, stored fp32 [T, K, I]; (2) one
   program per (token, k, block of D rows): the down GEMV, y fp32 [T, K, D]; (3) out[t] =
@@ -37,9 +37,9 @@ down_rows) D blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
-import dataclasses
 from dataclasses import dataclass
 
 import torch
