@@ -7,6 +7,10 @@
 #            wait for the one before); 4K and 32K
 #   verify60 one shard of issue 15's verify: 60 cold prompts x 256 tokens, audits every 64, 96
 #            slots, --graph, on the demo model (SEED: the shard; 7 shards make the 420 prompts)
+#   soak_start  issue 15's 15-minute soak (demo model, prefetch on), detached with setsid so it can
+#            outlive the call (a call runs at most 600 s); untried: whether the machine keeps a
+#            detached process between calls is not known. Then, within the 30 s idle window:
+#   soak_wait   waits up to WAIT_S (default 560) for it, then prints its JSON lines so far
 #   others   as device_s12.sh
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
@@ -24,6 +28,15 @@ for mode in "$@"; do
         --budget 4 --audit-every 64 --slots 96 --graph --prompt-seed ${SEED:-0} --json \
         > "$O/verify_seed${SEED:-0}.json" 2> "$O/verify_seed${SEED:-0}.err"
       echo "verify60 seed ${SEED:-0} rc=$?"; tail -c 600 "$O/verify_seed${SEED:-0}.json" ;;
+    soak_start)
+      setsid nohup python3 scripts/soak.py --minutes 15 --prefetch on --budget 4 --slots 96 \
+        --out /tmp/soak.jsonl > /tmp/soak.log 2>&1 < /dev/null &
+      echo "soak started, pid $!" ;;
+    soak_wait)
+      end=$((SECONDS + ${WAIT_S:-560}))
+      while pgrep -f scripts/soak.py > /dev/null && [ $SECONDS -lt $end ]; do sleep 5; done
+      pgrep -f scripts/soak.py > /dev/null && echo "soak still running" || echo "soak done"
+      cp /tmp/soak.jsonl /tmp/soak.log "$O/" 2>/dev/null; tail -3 /tmp/soak.jsonl; tail -2 /tmp/soak.log ;;
     *) bash benchmarks/device_s12.sh "$mode" ;;
   esac
 done
