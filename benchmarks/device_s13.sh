@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The next device session's calls (written in session 13, not run yet). Usage:
 #   run(command="bash benchmarks/device_s13.sh MODE...", carry=[the tree's tar])
-#   v4bs1    the GPU cases of the bs-1 routed tile (one h row a program) and the default-tiles rule
-#   dec48b   48 layers resident: the default (v4, 1 h row at bs 1) beside rowloop=0 and pdl=0 (the
+#   v4bs1    the GPU cases of the one-h-row routed tile (faster at bs 1, not yet the default) and the
+#            default-tiles rule
+#   dec48b   48 layers resident: the default (v4, 2 h rows) beside rowloop=0 and pdl=0 (the
 #            pdl=0 arm's profile gives each kernel's own time: with PDL a kernel's time includes its
 #            wait for the one before); 4K and 32K
 #   verify60 one shard of issue 15's verify: 60 cold prompts x 256 tokens, audits every 64, 96

@@ -46,7 +46,7 @@ def _case(kind, dtype, T, seed):
 @pytest.mark.parametrize("kind,dtype", [("nvfp4", torch.bfloat16), ("bf16", torch.bfloat16),
                                         ("nvfp4", torch.float32)])
 @pytest.mark.parametrize("T", [1, 5, 40])
-def test_routed_experts_is_the_per_token_sum(kind, dtype, T):
+def test_routed_experts_is_the_reference_loop(kind, dtype, T):
     c = _case(kind, dtype, T, seed=T)
     got, want = routed_experts(*c), _per_expert(*c)
     if dtype == torch.bfloat16:
