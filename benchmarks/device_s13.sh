@@ -3,7 +3,7 @@
 #   run(command="bash benchmarks/device_s13.sh MODE...", carry=[the tree's tar])
 #   v4bs1    the GPU cases of the one-h-row routed tile (faster at bs 1, not yet the default) and the
 #            default-tiles rule
-#   dec48b   48 layers resident: the default (v4, 2 h rows) beside rowloop=0 and pdl=0 (the
+#   dec48b   48 layers resident: the default (v4, 2 h rows) beside onerow=1 and pdl=0 (the
 #            pdl=0 arm's profile gives each kernel's own time: with PDL a kernel's time includes its
 #            wait for the one before); 4K and 32K
 #   verify60 one shard of issue 15's verify: 60 cold prompts x 256 tokens, audits every 64, 96
@@ -22,7 +22,7 @@ for mode in "$@"; do
         tests/gpu/test_kernels_gpu.py -k "v4 or routed_default_tiles_rule" > "$O/ptest_v4bs1.log" 2>&1
       echo "v4bs1 rc=$?: $(tail -1 "$O/ptest_v4bs1.log")" ;;
     dec48b)
-      CTX=${CTX:-4k,32k} ARMS="resident;resident:rowloop=0;resident:pdl=0" DEC_S=${DEC_S:-240} \
+      CTX=${CTX:-4k,32k} ARMS=${ARMS:-"resident;resident:onerow=1;resident:pdl=0"} DEC_S=${DEC_S:-240} \
         bash benchmarks/device_s12.sh dec48 ;;
     verify60)
       timeout ${VERIFY_S:-560} python3 -m ftchat.cli verify --prompts 60 --max-new-tokens 256 \

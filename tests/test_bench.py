@@ -22,6 +22,7 @@ from ftchat.settings import Settings
     ("on:fused=2", "fused='2': expected 1 or 0"),
     ("resident:pdl=yes", "pdl='yes': expected 1 or 0"),
     ("resident:rowloop=on", "rowloop='on': expected 1 or 0"),
+    ("resident:onerow=2", "onerow='2': expected 1 or 0"),
     ("resident:budget=3", "resident takes only fused"),
 ])
 def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
@@ -31,13 +32,16 @@ def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
 
 def test_arms_parse_into_settings():
     arms = parse_arms("resident; off:eviction=lru ;on:budget=4,overlap=0;resident:fused=0;"
-                      "resident:pdl=0;off:pdl=0;resident:rowloop=0", Settings())
+                      "resident:pdl=0;off:pdl=0;resident:rowloop=0;resident:onerow=1;"
+                      "resident:onerow=0", Settings())
     assert arms["resident"].settings is None and arms["resident"].fused and arms["resident"].pdl
     assert arms["resident:fused=0"].settings is None and not arms["resident:fused=0"].fused
     assert arms["resident:pdl=0"].fused and not arms["resident:pdl=0"].pdl
     assert arms["off:pdl=0"].settings.prefetch == "off" and not arms["off:pdl=0"].pdl
     assert arms["resident"].rowloop and not arms["resident:rowloop=0"].rowloop
     assert arms["resident:rowloop=0"].fused and arms["resident:rowloop=0"].pdl
+    assert arms["resident"].one_row is None  # the default tile, whatever it is
+    assert arms["resident:onerow=1"].one_row and arms["resident:onerow=0"].one_row is False
     assert arms["off:eviction=lru"].settings.eviction == "lru"
     on = arms["on:budget=4,overlap=0"].settings
     assert (on.prefetch, on.budget_gdn, on.budget_attn, on.overlap) == ("on", 4, 4, False)
@@ -73,3 +77,20 @@ def test_bench_builds_a_synthetic_model_in_memory():
     assert out["off"]["kernels_per_step"] is None  # no CUDA: no kernel count
     both = CliRunner().invoke(app, ["bench", "MODEL", "--synthetic", "tiny", "--device", "cpu"])
     assert both.exit_code != 0 and "not both" in str(both.exception or both.output)
+
+
+def test_an_arms_kernel_switches_reach_the_routed_tiles():
+    from ftchat.commands.bench import arm_kernels
+    from ftchat.model.rows import RowLayout
+    from ftchat.offload import expert_kernels as ek
+
+    real = RowLayout("nvfp4", 2560, 640)
+    arms = parse_arms("resident;resident:onerow=1;resident:rowloop=0", Settings())
+    picked = {}
+    for name, arm in arms.items():
+        with arm_kernels(arm):
+            picked[name] = (ek.default_tiles(real, 1), ek.default_tiles(real, 2))
+    assert picked["resident"] == (ek.V4_TILES, ek.V4_TILES)
+    assert picked["resident:onerow=1"] == (ek.V4_TILES_BS1, ek.V4_TILES)
+    assert {t.variant for t in picked["resident:rowloop=0"]} == {"v2"}
+    assert ek.default_tiles(real, 1) == ek.V4_TILES  # the switches end with the block

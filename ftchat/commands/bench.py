@@ -5,6 +5,7 @@ Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:
 every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
 kernel's before/after); `pdl=0` launches the fused kernels without programmatic dependent launch;
 `rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
+`onerow=1` gives the routed experts' row-loop kernel one h row a program at bs 1;
 `off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
 rounds one more step of each arm is profiled: kernels per step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
@@ -25,7 +26,8 @@ import torch
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
-from ftchat.kernels import fused_kernels, pdl_kernels, rowloop_kernels
+from ftchat.kernels import (fused_kernels, one_row_kernels, pdl_kernels, rowloop_kernels,
+                            use_one_row)
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.offload.backend import StagedExperts
 from ftchat.profile import profile_call
@@ -42,12 +44,15 @@ class ArmSpec:
     fused: bool = True  # the fused decode kernels (False: the torch path)
     pdl: bool = True  # ... launched with programmatic dependent launch where the GPU has it
     rowloop: bool = True  # the NVFP4 decode kernels' row-loop defaults (False: the tiled ones)
+    one_row: bool | None = None  # the routed experts' one-h-row bs-1 tile (None: the default)
 
 
 @contextmanager
 def arm_kernels(spec: ArmSpec) -> Iterator[None]:
     """An arm's kernel switches around its capture, its rounds and its profiled step."""
-    with fused_kernels(spec.fused), pdl_kernels(spec.pdl), rowloop_kernels(spec.rowloop):
+    one_row = use_one_row() if spec.one_row is None else spec.one_row
+    with (fused_kernels(spec.fused), pdl_kernels(spec.pdl), rowloop_kernels(spec.rowloop),
+          one_row_kernels(one_row)):
         yield
 
 
@@ -64,18 +69,20 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
     switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop")}
-    for k, v in switches.items():
+    one_row = flags.pop("onerow", None)
+    for k, v in (*switches.items(), ("onerow", one_row or "0")):
         if v not in ("0", "1"):
             raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
     if head == "resident" and flags:
-        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl= and "
-                          "rowloop= (0 or 1)")
+        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl=, rowloop= and "
+                          "onerow= (0 or 1)")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
     except FtchatError as e:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
-    return ArmSpec(s, *(switches[k] == "1" for k in ("fused", "pdl", "rowloop")))
+    return ArmSpec(s, *(switches[k] == "1" for k in ("fused", "pdl", "rowloop")),
+                   one_row=None if one_row is None else one_row == "1")
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:

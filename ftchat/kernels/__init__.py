@@ -113,3 +113,25 @@ def rowloop_kernels(on: bool) -> Iterator[None]:
         yield
     finally:
         _rowloop_on = prev
+
+
+_one_row_on = False
+
+
+def use_one_row() -> bool:
+    """Whether the routed experts' row-loop kernel takes one h row a program at bs 1 (the
+    single-layer sweep's fastest tile there) instead of the 2 rows it takes at every batch size;
+    switched with `one_row_kernels` (bench's `onerow=` arms)."""
+    return _one_row_on
+
+
+@contextmanager
+def one_row_kernels(on: bool) -> Iterator[None]:
+    """Within the block the routed experts take (on) or skip (off) the one-h-row tile at bs 1;
+    a CUDA graph captured inside keeps the choice."""
+    global _one_row_on
+    prev, _one_row_on = _one_row_on, on
+    try:
+        yield
+    finally:
+        _one_row_on = prev

@@ -37,6 +37,7 @@ down_rows) D blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -50,7 +51,7 @@ from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
 from ftchat.kernels import (HAS_TRITON, jit as _jit, pdl_launch, tl, triton,  # noqa: F401
-                            use_rowloop)
+                            use_one_row, use_rowloop)
 from ftchat.kernels.fp4 import (  # noqa: F401 (importable from here too)
     _E2M1_E4M3_PTX, _PTX, _e2m1_pair, _e2m1_word)
 from ftchat.kernels.nvfp4_gemv import DEC_BITS, _codes, _group_sum, _row_chunk, _x_groups
@@ -76,7 +77,7 @@ class DecodeTiles:
     variant: str = "v1"  # the kernel set (module docstring); "v1" is the measured baseline
 
 
-def default_tiles(layout: RowLayout) -> DecodeTiles:
+def default_tiles(layout: RowLayout, rows: int = 2) -> DecodeTiles:
     # v1 NVFP4: each thread 4 rows x 4 words, 400 programs per kernel at D=2560, I=640, K=10,
     # T=1; ~5.1 instructions per weight in the loop body (sm_90 SASS), one HBM latency per loop
     # step (the loop is not pipelined), three launches: 34.3 us at bs 1 (docs/performance.md).
@@ -88,16 +89,18 @@ def default_tiles(layout: RowLayout) -> DecodeTiles:
     # switched off (`kernels.rowloop_kernels`): 2 h rows of 512 columns per one-warp program
     # measured 24.9 us at bs 1 and 30.2 us at bs 2 on the H200 against v2's 28.2 / 36.2 us in
     # the same process (4 h rows: 34.6 / 33.4 us; docs/performance.md, sessions 12-13). One h
-    # row a program measured 21.6 us at bs 1 but 34.9 at bs 2: not taken until it has run on
-    # the GPU tests and at 48 layers.
+    # row a program measured 21.6 us at bs 1 but 34.9 at bs 2: bs 1 (rows: x's rows) takes it
+    # where `kernels.one_row_kernels` is on (bench's onerow=1 arm).
     if layout.kind == "nvfp4":
-        if use_rowloop() and v4_applies(layout, V4_TILES):
-            return V4_TILES
+        v4 = V4_TILES_BS1 if rows == 1 and use_one_row() else V4_TILES
+        if use_rowloop() and v4_applies(layout, v4):
+            return v4
         return DecodeTiles(8, 512, 2, 64, 128, 4, variant="v2")
     return DecodeTiles(16, 128, 4, 32, 128, 4)
 
 
 V4_TILES = DecodeTiles(2, 512, 1, 64, 128, 4, variant="v4")
+V4_TILES_BS1 = dataclasses.replace(V4_TILES, gate_up_rows=1)
 
 
 # ===== device helpers =====
@@ -572,7 +575,7 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     h = torch.empty(T, K, I, dtype=torch.float32, device=x.device)
     y = torch.empty(T, K, D, dtype=torch.float32, device=x.device)
     out = torch.empty_like(x)
-    tiles = tiles or default_tiles(layout)
+    tiles = tiles or default_tiles(layout, T)
     assert tiles.variant in VARIANTS, tiles.variant
     n1, n2, n3 = tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
     gate_up = _gemv_args(layout, "gate_up", D, tiles.gate_up_k)

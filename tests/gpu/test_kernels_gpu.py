@@ -249,7 +249,7 @@ def test_v4_applies_only_to_whole_nvfp4_tiles():
 def test_routed_default_tiles_rule():
     # the H200 sweep's pick (docs/performance.md, sessions 12-13): v4 at 2 h rows a program;
     # v2 where v4 does not divide the shape or the row loop is off
-    from ftchat.kernels import rowloop_kernels
+    from ftchat.kernels import one_row_kernels, rowloop_kernels
 
     real = RowLayout("nvfp4", 2560, 640)
     assert ek.default_tiles(real) == ek.V4_TILES and ek.V4_TILES.gate_up_rows == 2
@@ -257,3 +257,10 @@ def test_routed_default_tiles_rule():
     assert ek.default_tiles(RowLayout("bf16", 2560, 640)).variant == "v1"
     with rowloop_kernels(False):
         assert ek.default_tiles(real).variant == "v2"
+    # the one-h-row tile: bs 1 only, and only where switched on (bench's onerow=1 arm)
+    assert ek.default_tiles(real, 1) == ek.V4_TILES
+    with one_row_kernels(True):
+        assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1 and ek.V4_TILES_BS1.gate_up_rows == 1
+        assert ek.default_tiles(real, 2) == ek.V4_TILES
+        with rowloop_kernels(False):
+            assert ek.default_tiles(real, 1).variant == "v2"
