@@ -85,12 +85,12 @@ def test_an_arms_kernel_switches_reach_the_routed_tiles():
     from ftchat.offload import expert_kernels as ek
 
     real = RowLayout("nvfp4", 2560, 640)
-    arms = parse_arms("resident;resident:onerow=1;resident:rowloop=0", Settings())
+    arms = parse_arms("resident;resident:onerow=0;resident:rowloop=0", Settings())
     picked = {}
     for name, arm in arms.items():
         with arm_kernels(arm):
             picked[name] = (ek.default_tiles(real, 1), ek.default_tiles(real, 2))
-    assert picked["resident"] == (ek.V4_TILES, ek.V4_TILES)
-    assert picked["resident:onerow=1"] == (ek.V4_TILES_BS1, ek.V4_TILES)
+    assert picked["resident"] == (ek.V4_TILES_BS1, ek.V4_TILES)
+    assert picked["resident:onerow=0"] == (ek.V4_TILES, ek.V4_TILES)
     assert {t.variant for t in picked["resident:rowloop=0"]} == {"v2"}
-    assert ek.default_tiles(real, 1) == ek.V4_TILES  # the switches end with the block
+    assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1  # the switches end with the block

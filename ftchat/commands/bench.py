@@ -5,7 +5,7 @@ Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:
 every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
 kernel's before/after); `pdl=0` launches the fused kernels without programmatic dependent launch;
 `rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
-`onerow=1` gives the routed experts' row-loop kernel one h row a program at bs 1;
+`onerow=0` gives the routed experts' row-loop kernel 2 h rows a program at bs 1 (as at bs 2);
 `off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
 rounds one more step of each arm is profiled: kernels per step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the

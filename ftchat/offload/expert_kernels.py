@@ -90,7 +90,8 @@ def default_tiles(layout: RowLayout, rows: int = 2) -> DecodeTiles:
     # measured 24.9 us at bs 1 and 30.2 us at bs 2 on the H200 against v2's 28.2 / 36.2 us in
     # the same process (4 h rows: 34.6 / 33.4 us; docs/performance.md, sessions 12-13). One h
     # row a program measured 21.6 us at bs 1 but 34.9 at bs 2: bs 1 (rows: x's rows) takes it
-    # where `kernels.one_row_kernels` is on (bench's onerow=1 arm).
+    # unless `kernels.one_row_kernels(False)` (at 48 layers, 4K: 192.7 vs 185.0 tok/s, 32K:
+    # 181.6 vs 173.8, session 14).
     if layout.kind == "nvfp4":
         v4 = V4_TILES_BS1 if rows == 1 and use_one_row() else V4_TILES
         if use_rowloop() and v4_applies(layout, v4):

@@ -188,7 +188,7 @@ def test_dispatcher_picks_the_path_for_the_device():
 V4_CASES = [  # (D, I, gate_up_k, gate_up_rows): chunks a program, groups a lane
     (128, 32, 64, 4),  # 2 chunks of 4 groups (groups replicated across the warp's lanes)
     (512, 64, 512, 2),  # 1 chunk, a group a lane, 2 h rows (the default tile)
-    (512, 64, 512, 1),  # one h row a program (measured faster at bs 1; not the default)
+    (512, 64, 512, 1),  # one h row a program (the default at bs 1)
     (1024, 48, 512, 8),  # 2 chunks, 8 h rows a program (16 rows in the loop)
 ]
 
@@ -247,8 +247,8 @@ def test_v4_applies_only_to_whole_nvfp4_tiles():
 
 
 def test_routed_default_tiles_rule():
-    # the H200 sweep's pick (docs/performance.md, sessions 12-13): v4 at 2 h rows a program;
-    # v2 where v4 does not divide the shape or the row loop is off
+    # the H200 picks (docs/performance.md, sessions 12-14): v4 at 2 h rows a program, one at
+    # bs 1; v2 where v4 does not divide the shape or the row loop is off
     from ftchat.kernels import one_row_kernels, rowloop_kernels
 
     real = RowLayout("nvfp4", 2560, 640)
@@ -257,10 +257,10 @@ def test_routed_default_tiles_rule():
     assert ek.default_tiles(RowLayout("bf16", 2560, 640)).variant == "v1"
     with rowloop_kernels(False):
         assert ek.default_tiles(real).variant == "v2"
-    # the one-h-row tile: bs 1 only, and only where switched on (bench's onerow=1 arm)
-    assert ek.default_tiles(real, 1) == ek.V4_TILES
-    with one_row_kernels(True):
-        assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1 and ek.V4_TILES_BS1.gate_up_rows == 1
-        assert ek.default_tiles(real, 2) == ek.V4_TILES
-        with rowloop_kernels(False):
-            assert ek.default_tiles(real, 1).variant == "v2"
+    # the one-h-row tile: bs 1 only, unless switched off (bench's onerow=0 arm)
+    assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1 and ek.V4_TILES_BS1.gate_up_rows == 1
+    assert ek.default_tiles(real, 2) == ek.V4_TILES
+    with rowloop_kernels(False):
+        assert ek.default_tiles(real, 1).variant == "v2"
+    with one_row_kernels(False):
+        assert ek.default_tiles(real, 1) == ek.V4_TILES
