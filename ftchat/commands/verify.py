@@ -14,8 +14,10 @@ hooks, and its tokens compared with the eager arm of the same prefetch setting.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -42,8 +44,11 @@ QUESTIONS = (
 
 
 def cold_prompts(n: int, seed: int) -> list[str]:
+    """n prompts, each a fresh random nonce and a question; the questions cycle from the seed's
+    place, so runs split by seed (shards of a few prompts) still ask every question."""
     rng = random.Random(seed)
-    return [f"[{rng.getrandbits(64):016x}] {QUESTIONS[i % len(QUESTIONS)]}" for i in range(n)]
+    return [f"[{rng.getrandbits(64):016x}] {QUESTIONS[(seed + i) % len(QUESTIONS)]}"
+            for i in range(n)]
 
 
 @dataclass
@@ -57,6 +62,7 @@ class PromptVerdict:
     # --graph: {"off": p, "on": p}, p the first position where graph replay differs from the eager
     # arm of the same prefetch setting (None: identical); None: no graph arms ran
     graph_first_mismatch: dict[str, int | None] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each arm
 
 
 def _greedy(m: LoadedModel, ids: list[int], max_new: int, ex, settings: Settings) -> list[int]:
@@ -96,6 +102,20 @@ class GraphArm:
         return [s.tokens[0] for s in decode(self.dec, [ids], [0], [max_new])]
 
 
+class _ArmClock:
+    """Wall seconds of each arm of one prompt (each arm ends in a host read of its tokens, so
+    its device work is done when the block ends)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, arm: str):
+        t = time.perf_counter()
+        yield
+        self.seconds[arm] = round(time.perf_counter() - t, 3)
+
+
 def _first_diff(a: list[int], b: list[int]) -> int | None:
     first = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
     return min(len(a), len(b)) if first is None and len(a) != len(b) else first
@@ -122,18 +142,24 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
                   "on": GraphArm(m, on_settings, max_len)}
     verdicts = []
     for i, ids in enumerate(prompts):
-        off = _greedy(m, ids, max_new, build_experts(m, off_settings), off_settings)
+        clock = _ArmClock()
+        with clock("off"):
+            off = _greedy(m, ids, max_new, build_experts(m, off_settings), off_settings)
         verifier = Verifier(mode, a.num_hidden_layers, m.device)
         audit = SlotAudit(audit_every, S, m.device)
-        ex = build_experts(m, on_settings, hooks=HookChain([verifier, audit]))
-        on = _greedy(m, ids, max_new, ex, on_settings)
-        audit.audit(BackendView(ex))  # the cache as the prompt left it
+        with clock("on"):
+            ex = build_experts(m, on_settings, hooks=HookChain([verifier, audit]))
+            on = _greedy(m, ids, max_new, ex, on_settings)
+            audit.audit(BackendView(ex))  # the cache as the prompt left it
         first = next((j for j, (x, y) in enumerate(zip(off, on)) if x != y), None)
-        graph_first = None if graphs is None else {
-            "off": _first_diff(off, graphs["off"](ids, max_new)),
-            "on": _first_diff(on, graphs["on"](ids, max_new))}
+        graph_first = None
+        if graphs is not None:
+            graph_first = {}
+            for name, eager in (("off", off), ("on", on)):
+                with clock(f"graph_{name}"):
+                    graph_first[name] = _first_diff(eager, graphs[name](ids, max_new))
         verdicts.append(PromptVerdict(i, len(on), first, verifier.report(), audit.audits,
-                                      audit.bad, graph_first))
+                                      audit.bad, graph_first, clock.seconds))
         if progress:
             progress(i + 1, n)
     return verdicts
