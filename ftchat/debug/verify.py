@@ -33,7 +33,10 @@ class Verifier(Hooks):
         self.issued: dict[tuple[str, int], tuple[object, int]] = {}  # (kind, layer) -> plan, step
 
     def before_copy(self, v: BackendView, plan, layer: int, kind: str) -> None:
-        self.issued[kind, layer] = (plan, v.step)
+        # the plan's destinations, unused entries -1: computed once here, on the compute stream
+        # that wrote the plan, instead of at every kernel that checks it
+        live = torch.arange(plan.dst.shape[0], device=plan.dst.device) < plan.count
+        self.issued[kind, layer] = (torch.where(live, plan.dst.long(), -1), v.step)
 
     def after_copy(self, v: BackendView, plan, layer: int, kind: str) -> None:
         self.stamp[KINDS.index(kind), layer] = v.step + 1
@@ -45,15 +48,17 @@ class Verifier(Hooks):
         slot = p.slots.flatten().long()
         bad = (v.maps.slot_of[gid].long() != slot) | (v.maps.id_of[slot].long() != gid)
         self.records.add(bad, v.step, p.layer, gid, slot, MAP_MISMATCH)
-        for (kind, layer), (plan, step) in self.issued.items():
+        pending = None  # [T*K] the slot is a target of a copy the kernel must not overlap
+        for (kind, layer), (dst, step) in self.issued.items():
             if layer < p.layer or step != v.step:
                 continue
-            live = torch.arange(plan.dst.shape[0], device=slot.device) < plan.count
-            targets = (slot[:, None] == torch.where(live, plan.dst.long(), -1)[None]).any(1)
-            done = self.stamp[KINDS.index(kind), layer] == step + 1
-            # copies for this layer must be complete; copies for later layers must not touch it
-            bad = targets & ~done if layer == p.layer else targets
-            self.records.add(bad, v.step, p.layer, gid, slot, PENDING_COPY)
+            targets = (slot[:, None] == dst[None]).any(1)
+            if layer == p.layer:  # copies for this layer must be complete
+                targets &= self.stamp[KINDS.index(kind), layer] != step + 1
+            # copies for later layers must not touch it at all
+            pending = targets if pending is None else pending | targets
+        if pending is not None:
+            self.records.add(pending, v.step, p.layer, gid, slot, PENDING_COPY)
         if self.mode == "bytes":
             self._bytes(v, p, BYTES_BEFORE)
 

@@ -39,28 +39,46 @@ def jit(fn=None, **kwargs):
     return triton.jit(fn, **kwargs) if HAS_TRITON else fn
 
 
-_fused_on = True  # the decode model's fused kernels; off: the torch path on CUDA too
+class Switch:
+    """A process-wide kernel choice that bench's before/after arms flip: read at each launch, so
+    a CUDA graph captured while it holds keeps it. `switch.value` is the choice; `with
+    switch.set(v):` changes it within the block."""
+
+    def __init__(self, value: bool):
+        self.value = value
+
+    @contextmanager
+    def set(self, value: bool) -> Iterator[None]:
+        prev, self.value = self.value, value
+        try:
+            yield
+        finally:
+            self.value = prev
+
+
+FUSED = Switch(True)  # the decode model's fused kernels; off: the torch path on CUDA too
+PDL = Switch(os.environ.get("FTCHAT_PDL", "1") != "0")  # programmatic dependent launch
+# the NVFP4 decode kernels' row-loop defaults (the GDN input projection's GEMV at bs 1, the
+# routed experts' kernel 1); off: the tiled defaults from before them
+ROWLOOP = Switch(True)
+# the routed experts' row-loop kernel takes one h row a program at bs 1 instead of the 2 rows it
+# takes at bs 2 and above (192.7 vs 185.0 tok/s at 48 layers, 4K, on the H200)
+ONE_ROW = Switch(True)
+fused_kernels, pdl_kernels = FUSED.set, PDL.set
+rowloop_kernels, one_row_kernels = ROWLOOP.set, ONE_ROW.set
 
 
 def use_fused(t) -> bool:
-    """Whether the decoder runs its fused Triton kernels on tensor t's device (CUDA + Triton),
-    unless switched off with `fused_kernels(False)` (bench's before/after arms)."""
-    return _fused_on and HAS_TRITON and t.is_cuda
+    """Whether the decoder runs its fused Triton kernels on tensor t's device (CUDA + Triton)."""
+    return FUSED.value and HAS_TRITON and t.is_cuda
 
 
-@contextmanager
-def fused_kernels(on: bool) -> Iterator[None]:
-    """Within the block the decoder uses (on) or skips (off) its fused kernels; a CUDA graph
-    captured inside keeps the choice."""
-    global _fused_on
-    prev, _fused_on = _fused_on, on
-    try:
-        yield
-    finally:
-        _fused_on = prev
+def use_rowloop() -> bool:
+    return ROWLOOP.value
 
 
-_pdl_on = os.environ.get("FTCHAT_PDL", "1") != "0"
+def use_one_row() -> bool:
+    return ONE_ROW.value
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,62 +94,6 @@ def pdl_launch(t) -> dict:
     depends on no earlier kernel (its weight loads), then `sync.pdl_wait` before it reads or
     writes anything else. {"PDL": True, "launch_pdl": True} where the device has it and it is
     on (FTCHAT_PDL=0 or `pdl_kernels(False)` switch it off), else {"PDL": False}."""
-    if _pdl_on and t.is_cuda and _pdl_device(t.device):
+    if PDL.value and t.is_cuda and _pdl_device(t.device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
-
-
-@contextmanager
-def pdl_kernels(on: bool) -> Iterator[None]:
-    """Within the block the decode kernels launch with (on) or without (off) PDL; a CUDA graph
-    captured inside keeps the choice (bench's before/after arms)."""
-    global _pdl_on
-    prev, _pdl_on = _pdl_on, on
-    try:
-        yield
-    finally:
-        _pdl_on = prev
-
-
-_rowloop_on = True
-
-
-def use_rowloop() -> bool:
-    """Whether the NVFP4 decode kernels take their row-loop defaults (the GDN input projection's
-    GEMV at bs 1, the routed experts' kernel 1), unless switched off with `rowloop_kernels(False)`:
-    then the tiled defaults from before them (bench's before/after arms)."""
-    return _rowloop_on
-
-
-@contextmanager
-def rowloop_kernels(on: bool) -> Iterator[None]:
-    """Within the block the NVFP4 decode kernels take (on) or skip (off) their row-loop defaults;
-    a CUDA graph captured inside keeps the choice."""
-    global _rowloop_on
-    prev, _rowloop_on = _rowloop_on, on
-    try:
-        yield
-    finally:
-        _rowloop_on = prev
-
-
-_one_row_on = True
-
-
-def use_one_row() -> bool:
-    """Whether the routed experts' row-loop kernel takes one h row a program at bs 1 (on by
-    default: 192.7 vs 185.0 tok/s at 48 layers, 4K, on the H200) instead of the 2 rows it takes at
-    bs 2 and above; switched with `one_row_kernels` (bench's `onerow=` arms)."""
-    return _one_row_on
-
-
-@contextmanager
-def one_row_kernels(on: bool) -> Iterator[None]:
-    """Within the block the routed experts take (on) or skip (off) the one-h-row tile at bs 1;
-    a CUDA graph captured inside keeps the choice."""
-    global _one_row_on
-    prev, _one_row_on = _one_row_on, on
-    try:
-        yield
-    finally:
-        _one_row_on = prev
