@@ -168,7 +168,8 @@ def test_without_the_final_audit_that_corruption_goes_unseen(tiny_nvfp4, monkeyp
 class EagerReplay:
     """DecodeGraph's stand-in on CPU, where CUDA graphs do not exist: the same step function on
     the same static buffers, run eagerly at each replay (no capture). `fault(call, logits)` may
-    change the logits of a replay (calls count per arm from 1)."""
+    change the logits of a replay (calls count per arm from 1); `arm` is the replay's place in
+    `built` (verify builds the prefetch-off arm first: 0 off, 1 on)."""
 
     built: list[EagerReplay] = []
     fault = None
@@ -176,7 +177,7 @@ class EagerReplay:
     def __init__(self, step, batch: int, device):
         import torch
 
-        self.step, self.calls = step, 0
+        self.step, self.calls, self.arm = step, 0, len(EagerReplay.built)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
         for _ in range(2):  # the capture's warm-up steps, which the Decoder must undo
@@ -191,7 +192,7 @@ class EagerReplay:
         self.pos.copy_(torch.tensor(lengths, dtype=torch.long)[:, None])
         logits = self.step(self.tokens, self.pos)
         if EagerReplay.fault is not None:
-            EagerReplay.fault(self.calls, logits)
+            EagerReplay.fault(self.arm, self.calls, logits)
         return logits
 
 
@@ -250,6 +251,7 @@ def test_verify_graph_compares_hook_free_replay_with_the_eager_arms(tiny_nvfp4, 
     assert out["mismatches"] == 0 and out["graph_mismatches"] == 0
     assert out["graph_first_mismatch"] is None
     assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": None, "on": None}] * 3
+    assert out["graph_prefetch_mismatches"] == 0
     # one capture per arm for the whole run, each replayed 11 steps x 3 prompts, without hooks
     assert [g.calls for g in eager_replay.built] == [33, 33]
     assert built[:2] == [("off", True), ("on", True)]
@@ -257,7 +259,7 @@ def test_verify_graph_compares_hook_free_replay_with_the_eager_arms(tiny_nvfp4, 
 
 
 def test_verify_graph_mismatch_fails_and_is_reported(tiny_nvfp4, eager_replay, monkeypatch):
-    def wrong_token_at_step_5(call, logits):
+    def wrong_token_at_step_5(arm, call, logits):
         if call % 11 == 5:  # 11 replays per prompt: token 5 of every prompt, both arms
             logits[0, logits[0].argmax()] = float("-inf")
 
@@ -270,7 +272,27 @@ def test_verify_graph_mismatch_fails_and_is_reported(tiny_nvfp4, eager_replay, m
     assert out["mismatches"] == 0 and out["graph_mismatches"] == 3
     assert out["graph_first_mismatch"] == 5
     assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": 5, "on": 5}] * 3
+    # both graph arms took the same wrong token: replay differs from eager, not prefetch on from off
+    assert out["graph_prefetch_mismatches"] == 0
+    assert [v["graph_prefetch_first_mismatch"] for v in out["per_prompt"]] == [None] * 3
     monkeypatch.setenv("COLUMNS", "200")  # the table, wide enough for every column name
     res = _verify(tiny_nvfp4, "--graph", as_json=False)
     assert "graph mismatches" in res.stdout and "graph first mismatch" in res.stdout, res.stdout
     assert res.exit_code == 1
+
+
+def test_verify_graph_on_differing_from_graph_off_fails(tiny_nvfp4, eager_replay):
+    """A fault in the prefetch-on graph arm only is a prefetch mismatch on the replayed path."""
+    def wrong_on_token_at_step_7(arm, call, logits):
+        if arm == 1 and call % 11 == 7:
+            logits[0, logits[0].argmax()] = float("-inf")
+
+    eager_replay.fault = wrong_on_token_at_step_7
+    res = _verify(tiny_nvfp4, "--graph")
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines() == [
+        "error: 3 of 3 prompts differ with prefetch on in CUDA-graph replay"]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["graph_prefetch_mismatches"] == 3
+    assert [v["graph_prefetch_first_mismatch"] for v in out["per_prompt"]] == [7] * 3
+    assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": None, "on": 7}] * 3

@@ -62,6 +62,10 @@ class PromptVerdict:
     # --graph: {"off": p, "on": p}, p the first position where graph replay differs from the eager
     # arm of the same prefetch setting (None: identical); None: no graph arms ran
     graph_first_mismatch: dict[str, int | None] | None = None
+    # --graph: the first position where the prefetch-on graph arm differs from the prefetch-off
+    # graph arm (None: identical, or no graph arms): prefetch's losslessness on the replayed path,
+    # whether or not replay itself matches eager decode
+    graph_prefetch_first_mismatch: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each arm
 
 
@@ -152,14 +156,17 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
             on = _greedy(m, ids, max_new, ex, on_settings)
             audit.audit(BackendView(ex))  # the cache as the prompt left it
         first = next((j for j, (x, y) in enumerate(zip(off, on)) if x != y), None)
-        graph_first = None
+        graph_first = graph_prefetch = None
         if graphs is not None:
-            graph_first = {}
-            for name, eager in (("off", off), ("on", on)):
+            replayed = {}
+            for name in ("off", "on"):
                 with clock(f"graph_{name}"):
-                    graph_first[name] = _first_diff(eager, graphs[name](ids, max_new))
+                    replayed[name] = graphs[name](ids, max_new)
+            graph_first = {"off": _first_diff(off, replayed["off"]),
+                           "on": _first_diff(on, replayed["on"])}
+            graph_prefetch = _first_diff(replayed["off"], replayed["on"])
         verdicts.append(PromptVerdict(i, len(on), first, verifier.report(), audit.audits,
-                                      audit.bad, graph_first, clock.seconds))
+                                      audit.bad, graph_first, graph_prefetch, clock.seconds))
         if progress:
             progress(i + 1, n)
     return verdicts
@@ -190,6 +197,8 @@ def summary(verdicts: list[PromptVerdict]) -> dict:
         firsts = [p for g in graph for p in g.values() if p is not None]
         out["graph_mismatches"] = sum(any(p is not None for p in g.values()) for g in graph)
         out["graph_first_mismatch"] = min(firsts, default=None)
+        out["graph_prefetch_mismatches"] = sum(v.graph_prefetch_first_mismatch is not None
+                                               for v in verdicts)
     return out
 
 
@@ -198,6 +207,9 @@ def failure(s: dict) -> str | None:
     audit at all (a check that did not run proves nothing)."""
     if s["mismatches"]:
         return f"{s['mismatches']} of {s['prompts']} prompts differ with prefetch on"
+    if s.get("graph_prefetch_mismatches"):
+        return (f"{s['graph_prefetch_mismatches']} of {s['prompts']} prompts differ with "
+                "prefetch on in CUDA-graph replay")
     if s.get("graph_mismatches"):
         return (f"{s['graph_mismatches']} of {s['prompts']} prompts differ between CUDA-graph "
                 "replay and eager decode")
