@@ -9,7 +9,8 @@ Python-side step numbers).
 
 verify --graph adds the production path the hooked arms cannot watch: every prompt decoded with
 prefetch off and on by the same loop `ftchat run` uses, the step replayed from a CUDA graph, no
-hooks, and its tokens compared with the eager arm of the same prefetch setting.
+hooks, and its tokens compared with the eager arm of the same prefetch setting and with each
+other (prefetch on vs off in replay, which holds even where replay and eager decode part).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ class Verifier(Hooks):
         self.records = RecordBuffer(capacity, device)
         # stamp[kind, layer] = 1 + step of the last completed copy (written on the copy's stream)
         self.stamp = torch.zeros(len(KINDS), num_layers, dtype=torch.int64, device=device)
-        self.issued: dict[tuple[str, int], tuple[object, int]] = {}  # (kind, layer) -> plan, step
+        # (kind, layer) -> (the copy's live destinations [n] int64, unused -1; its step)
+        self.issued: dict[tuple[str, int], tuple[torch.Tensor, int]] = {}
 
     def before_copy(self, v: BackendView, plan, layer: int, kind: str) -> None:
         # the plan's destinations, unused entries -1: computed once here, on the compute stream
