@@ -127,18 +127,30 @@ def rank_key(s: Tensor, complete: Tensor) -> Tensor:
     return torch.where(complete, (bits << 32) | low, -1)
 
 
+def decode_blocks(kv_len: int, n_max: int, a: ModelArgs) -> tuple[int, int]:
+    """(N, K): a decode step ranks the first N cached blocks and keeps K of them.
+
+    N = kv_len // r, raised to the top count (the extra blocks are incomplete: ranked -1) and
+    capped at the cache's n_max blocks, so K = min(top, n_max) whatever kv_len is: the eager
+    step (kv_len = longest sequence + 1) and the captured one (kv_len = capacity) select the
+    same K blocks, and the split attention over them has the same shape and reduction order."""
+    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+    N = min(max(kv_len // r, top), n_max)
+    return N, min(top, N)
+
+
 def select_blocks(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelArgs
                   ) -> tuple[Tensor, Tensor]:
     """Selected token indices [B, S] and validity [B, S] of one query per row, S = K*r + r - 1
     (docs/model.md 4.5).
 
-    iq [B, Hi, di] at positions pos [B]; kbar [B, Nmax, di] cached block keys. The K = min(top, N)
-    best complete blocks of the first N = kv_len // r, then the open tail [r*floor((p+1)/r), p].
-    Invalid entries (incomplete blocks, fewer complete blocks than K, tail past p) point at p.
+    iq [B, Hi, di] at positions pos [B] < kv_len; kbar [B, Nmax, di] cached block keys. The K
+    best complete blocks of the first N (`decode_blocks`), then the open tail
+    [r*floor((p+1)/r), p]. Invalid entries (incomplete blocks, fewer complete blocks than K,
+    tail past p) point at p.
     """
-    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-    N = min(kv_len // r, kbar.shape[1])
-    K = min(top, N)
+    r = a.indexer_compress_ratio
+    N, K = decode_blocks(kv_len, kbar.shape[1], a)
     dev = pos.device
     s = block_scores(iq[:, None], kbar[:, :N])[:, 0]  # [B, N]
     complete = (torch.arange(N, device=dev) + 1) * r <= pos[:, None] + 1  # [B, N]
@@ -394,10 +406,10 @@ def select_blocks_fused(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: M
     scores and keys in one kernel, then the exact top-k of the same keys (the set torch.topk
     gives, in ascending block order: ftchat/kernels/topk_select.py). iq [B, Hi, di]; kbar
     [B, Nmax, di]; pos [B, 1]."""
-    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-    N = min(kv_len // r, kbar.shape[1])
+    r = a.indexer_compress_ratio
+    N, K = decode_blocks(kv_len, kbar.shape[1], a)
     keys = qsa_rank_keys(iq, kbar, pos, N, r)  # [B, N]
-    return topk_keys(keys, min(top, N))  # the radix select (ascending block index)
+    return topk_keys(keys, K)  # the radix select (ascending block index)
 
 
 def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,

@@ -4,6 +4,8 @@ in eager mode, delay kernels on every stream, and the in-flight-eviction race wi
 from __future__ import annotations
 
 import functools
+import json
+import shutil
 
 import pytest
 import torch
@@ -83,6 +85,25 @@ def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap
 def test_graph_replay_equals_eager(folders):
     f = folders["nvfp4-modelopt"]
     assert resident(f, 2, True, EAGER_STEPS)[0] == resident(f, 2, False, EAGER_STEPS)[0]
+
+
+@pytest.fixture(scope="module")
+def wide_budget(folders, tmp_path_factory):
+    """The nvfp4 tiny model with a QSA budget of 128 tokens: 100 steps of PROMPTS stay below
+    it, where the eager and the captured step once selected different block counts."""
+    d = tmp_path_factory.mktemp("wide") / "tiny"
+    shutil.copytree(folders["nvfp4-modelopt"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    assert text["indexer_budget"] == 8
+    text["indexer_budget"] = 128
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def test_graph_replay_equals_eager_below_the_budget(wide_budget):
+    graph, eager = (resident(wide_budget, 2, g, EAGER_STEPS) for g in (True, False))
+    assert graph[0] == eager[0] and torch.equal(graph[1], eager[1])
 
 
 def _sleepy(ex, where: str, cycles: int = 2_000_000):

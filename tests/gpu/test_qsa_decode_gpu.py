@@ -568,3 +568,44 @@ def test_fused_step_replays_in_a_cuda_graph(monkeypatch):
         assert torch.equal(y, want)  # deterministic: no atomics, the same kernels
     for n in c_g:
         assert torch.equal(c_g[n].nan_to_num(7.0), c_e[n].nan_to_num(7.0))
+
+
+def _span_runs(a, lengths: list[int], steps: int, L: int) -> tuple[list[Tensor], list[Tensor]]:
+    """Fused decode outputs of `steps` steps from the same context, at the eager step's span
+    (max(pos) + 1) and at the captured step's (the capacity L); caches checked equal."""
+    dtype = torch.bfloat16
+    w = _layer(a, dtype, seed=80)
+    qsa.fuse_qsa_projections(w)
+    c_e = _cache(a, lengths, L, w, dtype, seed=81)
+    c_g = _clone(c_e)
+    gen = torch.Generator().manual_seed(82)
+    eager, graph = [], []
+    for t in range(steps):
+        pos = torch.tensor(lengths, device=DEVICE)[:, None] + t
+        x = torch.randn(len(lengths), 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
+        eager.append(qsa.attention_decode_fused(x, w, c_e, pos, int(pos.max()) + 1, a))
+        graph.append(qsa.attention_decode_fused(x, w, c_g, pos, L, a))
+    for n in c_e:
+        assert torch.equal(c_e[n].nan_to_num(7.0), c_g[n].nan_to_num(7.0)), n
+    return eager, graph
+
+
+def test_eager_span_and_graph_span_agree_bit_for_bit():
+    """Below the budget (here 2048 tokens) the eager step and the captured step once chose
+    different K and so put the open tail in other splits: verify --graph found flash-next
+    tokens differing. Now the span changes no bit (qsa.decode_blocks)."""
+    eager, graph = _span_runs(_args("real"), [37, 110], steps=_steps("real"), L=4096)
+    bad = [t for t, (e, g) in enumerate(zip(eager, graph)) if not torch.equal(e, g)]
+    assert bad == []
+
+
+def test_control_selection_sized_by_the_span_changes_bits(monkeypatch):
+    """The check above can fail: with K sized by kv_len // r (the old rule) the two spans'
+    outputs differ."""
+    def sized_by_span(kv_len: int, n_max: int, a: ModelArgs) -> tuple[int, int]:
+        N = min(kv_len // a.indexer_compress_ratio, n_max)
+        return N, min(a.indexer_budget // a.indexer_compress_ratio, N)
+
+    monkeypatch.setattr(qsa, "decode_blocks", sized_by_span)
+    eager, graph = _span_runs(_args("real"), [37, 110], steps=_steps("real"), L=4096)
+    assert sum(not torch.equal(e, g) for e, g in zip(eager, graph)) > 0
