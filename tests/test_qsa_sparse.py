@@ -177,8 +177,9 @@ def test_exact_zero_ties_go_to_the_lowest_block(budget):
 # (d) -------------------------------------------------------------------------------------------
 
 def spans_differ(a: ModelArgs, L: int) -> list[int]:
-    """Positions p where select_blocks' (idx, ok) at kv_len p + 1 (the eager step's span) is
-    not the one at the capacity L (the captured step's), shape and every entry."""
+    """Positions p where select_blocks' (idx, ok) of the eager step (kv_len p + 1, a cache of
+    a few blocks more, as verify's eager arms size it) is not the captured step's (kv_len and
+    cache the capacity L), shape and every entry."""
     g = torch.Generator().manual_seed(7)
     ik = torch.randn(2, L, a.indexer_head_dim, generator=g)
     iq = torch.randn(2, a.indexer_n_heads, a.indexer_head_dim, generator=g)
@@ -186,7 +187,7 @@ def spans_differ(a: ModelArgs, L: int) -> list[int]:
     bad = []
     for p in range(L):
         pos = torch.tensor([p, p // 3])
-        eager = qsa.select_blocks(iq, kbar, pos, p + 1, a)
+        eager = qsa.select_blocks(iq, kbar[:, : (p + 6) // a.indexer_compress_ratio], pos, p + 1, a)
         graph = qsa.select_blocks(iq, kbar, pos, L, a)
         if not all(e.shape == c.shape and torch.equal(e, c) for e, c in zip(eager, graph)):
             bad.append(p)
@@ -196,15 +197,15 @@ def spans_differ(a: ModelArgs, L: int) -> list[int]:
 @pytest.mark.parametrize("r, budget", [(4, 8), (4, 64)])
 def test_selection_does_not_depend_on_the_span(r, budget):
     """Eager and graph decode select the same slots in the same order (the split attention's
-    reduction order follows them), before the context reaches the budget too."""
+    reduction order follows them), before the context and the cache reach the budget too."""
     assert spans_differ(tiny_args(r, budget), 90) == []
 
 
 def test_control_selection_sized_by_the_span_differs(monkeypatch):
     """The check above can fail: with K sized by kv_len // r (the old rule) short contexts
     select fewer slots eagerly than in the graph."""
-    def sized_by_span(kv_len: int, n_max: int, a: ModelArgs) -> tuple[int, int]:
-        N = min(kv_len // a.indexer_compress_ratio, n_max)
+    def sized_by_span(kv_len: int, a: ModelArgs) -> tuple[int, int]:
+        N = kv_len // a.indexer_compress_ratio
         return N, min(a.indexer_budget // a.indexer_compress_ratio, N)
 
     monkeypatch.setattr(qsa, "decode_blocks", sized_by_span)

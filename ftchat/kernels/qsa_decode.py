@@ -264,21 +264,21 @@ def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, 
                    p, IK_SL, KB_SN, NMAX, EPS, DI, RD, R, BF16)
 
 
-@_jit(do_not_specialize=["N"])
-def _rank_kernel(iq_ptr, kbar_ptr, pos_ptr, key_ptr, KB_SB, KB_SN, POS_SB, N, SCALE,
+@_jit(do_not_specialize=["N", "NMAX"])
+def _rank_kernel(iq_ptr, kbar_ptr, pos_ptr, key_ptr, KB_SB, KB_SN, POS_SB, N, NMAX, SCALE,
                  HI: tl.constexpr, DI: tl.constexpr, R: tl.constexpr, BLOCK: tl.constexpr,
                  PDL: tl.constexpr):
-    """Grid (B, cdiv(N, BLOCK)); iq [B, Hi, di], kbar [B, >= N, di] -> key [B, N] int64:
+    """Grid (B, cdiv(N, BLOCK)); iq [B, Hi, di], kbar [B, NMAX, di] -> key [B, N] int64:
     s_n = sum_h max(<iq_h, k̄_n>, 0) * (1/sqrt(di)) in fp32 (exact products of model-dtype
     values; the dot and head sums in another order than torch's), key = bits(s) << 32 | (N-1-n)
-    for complete blocks ((n + 1) r <= p + 1), -1 otherwise (their k̄ is not read)."""
+    for complete blocks ((n + 1) r <= p + 1, n < NMAX), -1 otherwise (their k̄ is not read)."""
     pdl_release(PDL)
     pdl_wait(PDL)
     b = tl.program_id(0)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     d = tl.arange(0, DI)
     p = tl.load(pos_ptr + b * POS_SB).to(tl.int64)
-    complete = (n < N) & ((n + 1) * R <= p + 1)
+    complete = (n < N) & (n < NMAX) & ((n + 1) * R <= p + 1)
     kb = tl.load(kbar_ptr + b.to(tl.int64) * KB_SB + n[:, None].to(tl.int64) * KB_SN + d[None, :],
                  mask=complete[:, None], other=0.0).to(tl.float32)  # [BLOCK, di]
     s = tl.zeros([BLOCK], dtype=tl.float32)
@@ -516,18 +516,19 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
 
 def qsa_rank_keys(iq: Tensor, kbar: Tensor, pos: Tensor, n_blocks: int, ratio: int,
                   block: int = 64) -> Tensor:
-    """Kernel 2: int64 ranking keys [B, N] of the first N = n_blocks cached block keys, equal to
-    qsa.rank_key(block_scores(iq, kbar[:, :N]), complete) up to the fp32 rounding of the scores.
-    iq [B, Hi, di]; kbar [B, >= N, di]; pos [B, 1] or [B]."""
+    """Kernel 2: int64 ranking keys [B, N] of N = n_blocks block slots, equal to
+    qsa.rank_key(block_scores(iq, kbar[:, :N]), complete) up to the fp32 rounding of the scores;
+    slots past kbar's rows are incomplete (-1). iq [B, Hi, di]; kbar [B, Nmax, di]; pos [B, 1]
+    or [B]."""
     B, Hi, di = iq.shape
-    assert kbar.shape[1] >= n_blocks and kbar[0].is_contiguous() and iq.is_contiguous()
+    assert kbar[0].is_contiguous() and iq.is_contiguous()
     keys = torch.empty(B, n_blocks, dtype=torch.int64, device=iq.device)
     if n_blocks == 0:
         return keys
     pos2 = pos.view(B, -1)
     _rank_kernel[(B, triton.cdiv(n_blocks, block))](
         iq, kbar, pos2, keys, kbar.stride(0), kbar.stride(1), pos2.stride(0), n_blocks,
-        _recip_sqrt(di), HI=Hi, DI=di, R=ratio, BLOCK=block,
+        kbar.shape[1], _recip_sqrt(di), HI=Hi, DI=di, R=ratio, BLOCK=block,
         num_warps=max(1, min(8, block * di // 1024)),  # ~32 k̄ values a thread: 128 registers
         **pdl_launch(iq))
     return keys

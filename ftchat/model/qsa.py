@@ -127,16 +127,16 @@ def rank_key(s: Tensor, complete: Tensor) -> Tensor:
     return torch.where(complete, (bits << 32) | low, -1)
 
 
-def decode_blocks(kv_len: int, n_max: int, a: ModelArgs) -> tuple[int, int]:
-    """(N, K): a decode step ranks the first N cached blocks and keeps K of them.
+def decode_blocks(kv_len: int, a: ModelArgs) -> tuple[int, int]:
+    """(N, K): a decode step ranks N block slots and keeps the K = top best.
 
-    N = kv_len // r, raised to the top count (the extra blocks are incomplete: ranked -1) and
-    capped at the cache's n_max blocks, so K = min(top, n_max) whatever kv_len is: the eager
-    step (kv_len = longest sequence + 1) and the captured one (kv_len = capacity) select the
-    same K blocks, and the split attention over them has the same shape and reduction order."""
-    r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-    N = min(max(kv_len // r, top), n_max)
-    return N, min(top, N)
+    N = max(kv_len // r, top): past kv_len // r (and past the cache's blocks) every block is
+    incomplete, ranked -1. K is the top count whatever the span and the cache capacity are:
+    the eager step (kv_len = longest sequence + 1, a cache sized to the prompt) and the
+    captured one (kv_len = capacity) then attend over the same S = K*r + r - 1 slots in the
+    same order, and the split attention reduces them identically (bit for bit)."""
+    top = a.indexer_budget // a.indexer_compress_ratio
+    return max(kv_len // a.indexer_compress_ratio, top), top
 
 
 def select_blocks(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelArgs
@@ -145,14 +145,15 @@ def select_blocks(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelAr
     (docs/model.md 4.5).
 
     iq [B, Hi, di] at positions pos [B] < kv_len; kbar [B, Nmax, di] cached block keys. The K
-    best complete blocks of the first N (`decode_blocks`), then the open tail
+    best complete blocks of N block slots (`decode_blocks`), then the open tail
     [r*floor((p+1)/r), p]. Invalid entries (incomplete blocks, fewer complete blocks than K,
     tail past p) point at p.
     """
     r = a.indexer_compress_ratio
-    N, K = decode_blocks(kv_len, kbar.shape[1], a)
+    N, K = decode_blocks(kv_len, a)
     dev = pos.device
-    s = block_scores(iq[:, None], kbar[:, :N])[:, 0]  # [B, N]
+    kbar = F.pad(kbar[:, :N], (0, 0, 0, N - min(N, kbar.shape[1])))  # past the cache: incomplete
+    s = block_scores(iq[:, None], kbar)[:, 0]  # [B, N]
     complete = (torch.arange(N, device=dev) + 1) * r <= pos[:, None] + 1  # [B, N]
     best = torch.topk(rank_key(s, complete), K, dim=-1)  # [B, K]
     offs = torch.arange(r, device=dev)
@@ -407,8 +408,8 @@ def select_blocks_fused(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: M
     gives, in ascending block order: ftchat/kernels/topk_select.py). iq [B, Hi, di]; kbar
     [B, Nmax, di]; pos [B, 1]."""
     r = a.indexer_compress_ratio
-    N, K = decode_blocks(kv_len, kbar.shape[1], a)
-    keys = qsa_rank_keys(iq, kbar, pos, N, r)  # [B, N]
+    N, K = decode_blocks(kv_len, a)
+    keys = qsa_rank_keys(iq, kbar, pos, N, r)  # [B, N]; N may pass kbar's rows (ranked -1)
     return topk_keys(keys, K)  # the radix select (ascending block index)
 
 

@@ -485,7 +485,7 @@ def _run_decode(geo, dtype, B, steps, seed, monkeypatch, prepare=None, cache_exc
     monkeypatch.setattr(qsa, "select_blocks", ref_sel)
     monkeypatch.setattr(qsa, "select_blocks_fused", got_sel)
     gen = torch.Generator().manual_seed(seed + 2)
-    worst, flips, r = 0.0, 0, a.indexer_compress_ratio
+    worst, flips = 0.0, 0
     for t in range(steps):
         pos = torch.tensor(lengths, device=DEVICE)[:, None] + t
         kv_len = L if t % 2 else int(pos.max()) + 1  # graph span and eager span in turn
@@ -571,13 +571,16 @@ def test_fused_step_replays_in_a_cuda_graph(monkeypatch):
 
 
 def _span_runs(a, lengths: list[int], steps: int, L: int) -> tuple[list[Tensor], list[Tensor]]:
-    """Fused decode outputs of `steps` steps from the same context, at the eager step's span
-    (max(pos) + 1) and at the captured step's (the capacity L); caches checked equal."""
+    """Fused decode outputs of `steps` steps from the same context: the eager step's (kv_len
+    max(pos) + 1, a cache sized to the run, as verify's eager arms) and the captured step's
+    (kv_len and cache the capacity L); the caches' common part checked equal."""
     dtype = torch.bfloat16
     w = _layer(a, dtype, seed=80)
     qsa.fuse_qsa_projections(w)
-    c_e = _cache(a, lengths, L, w, dtype, seed=81)
-    c_g = _clone(c_e)
+    c_g = _cache(a, lengths, L, w, dtype, seed=81)
+    L_e = max(lengths) + steps + 1
+    rows = {"k": L_e, "v": L_e, "ik": L_e, "kbar": L_e // a.indexer_compress_ratio}
+    c_e = {n: t[:, : rows[n]].clone() for n, t in c_g.items()}
     gen = torch.Generator().manual_seed(82)
     eager, graph = [], []
     for t in range(steps):
@@ -586,26 +589,37 @@ def _span_runs(a, lengths: list[int], steps: int, L: int) -> tuple[list[Tensor],
         eager.append(qsa.attention_decode_fused(x, w, c_e, pos, int(pos.max()) + 1, a))
         graph.append(qsa.attention_decode_fused(x, w, c_g, pos, L, a))
     for n in c_e:
-        assert torch.equal(c_e[n].nan_to_num(7.0), c_g[n].nan_to_num(7.0)), n
+        got = c_g[n][:, : rows[n]]
+        assert torch.equal(c_e[n].nan_to_num(7.0), got.nan_to_num(7.0)), n
     return eager, graph
 
 
 def test_eager_span_and_graph_span_agree_bit_for_bit():
     """Below the budget (here 2048 tokens) the eager step and the captured step once chose
-    different K and so put the open tail in other splits: verify --graph found flash-next
-    tokens differing. Now the span changes no bit (qsa.decode_blocks)."""
+    different K (by span, then by cache capacity) and so put the open tail in other splits:
+    verify --graph found flash-next tokens differing. Now neither changes a bit
+    (qsa.decode_blocks)."""
     eager, graph = _span_runs(_args("real"), [37, 110], steps=_steps("real"), L=4096)
     bad = [t for t, (e, g) in enumerate(zip(eager, graph)) if not torch.equal(e, g)]
     assert bad == []
 
 
-def test_control_selection_sized_by_the_span_changes_bits(monkeypatch):
-    """The check above can fail: with K sized by kv_len // r (the old rule) the two spans'
-    outputs differ."""
-    def sized_by_span(kv_len: int, n_max: int, a: ModelArgs) -> tuple[int, int]:
-        N = min(kv_len // a.indexer_compress_ratio, n_max)
-        return N, min(a.indexer_budget // a.indexer_compress_ratio, N)
+@pytest.mark.parametrize("rule", ["span", "cache"])
+def test_control_selection_sized_by_span_or_cache_changes_bits(rule, monkeypatch):
+    """The check above can fail: with K sized by kv_len // r (the first rule) or by the cache's
+    blocks (the second: N = min(max(kv_len // r, top), cache blocks), K = min(top, N)) the
+    two steps' outputs differ."""
+    lengths, steps, L = [37, 110], _steps("real"), 4096
+    L_e = max(lengths) + steps + 1  # _span_runs' eager cache; its steps' kv_len are <= L_e
 
-    monkeypatch.setattr(qsa, "decode_blocks", sized_by_span)
-    eager, graph = _span_runs(_args("real"), [37, 110], steps=_steps("real"), L=4096)
+    def sized(kv_len: int, a: ModelArgs) -> tuple[int, int]:
+        r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+        if rule == "span":
+            N = kv_len // r
+        else:
+            N = min(max(kv_len // r, top), (L if kv_len == L else L_e) // r)
+        return N, min(top, N)
+
+    monkeypatch.setattr(qsa, "decode_blocks", sized)
+    eager, graph = _span_runs(_args("real"), lengths, steps, L)
     assert sum(not torch.equal(e, g) for e, g in zip(eager, graph)) > 0
