@@ -2,10 +2,10 @@
 # Session 17's device calls: issue 15's evidence after the span fix (qsa.decode_blocks), and the
 # GPU tier. run(command="bash benchmarks/device_s17.sh MODE") from the repository root.
 #   start  MPS on (falls back to plain sharing), then, detached:
-#          - `pytest -m gpu` (the whole GPU tier; log and junit XML);
+#          - `pytest -m gpu $TESTS` (default tests/gpu, the whole GPU tier; log and junit XML);
 #          - the verify queue on the trained demo model: 70 shards x 6 cold prompts (prompt
 #            seeds 0-69: 420 prompts) x 256 tokens, audit every 64, --budget 4 --graph,
-#            96 of 512 slots, DEMO_P workers (default 7);
+#            96 of 512 slots, DEMO_P workers (default 7; 0 skips it);
 #          - `ftchat synth` of the 4-layer flash-next-geometry checkpoint, then its queue:
 #            70 shards x 6 prompts, 137 of 2,048 slots, FN_P workers (default 5: a process
 #            holds ~20 GiB of GPU memory; session 16 lost shards to OOM with 8).
@@ -41,7 +41,7 @@ case $1 in
       unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
       echo "MPS off: $(cat $R/mps.err)" | tee $R/mps.log
     fi
-    setsid nohup bash -c "python3 -m pytest -m gpu -q -rs tests/gpu --junitxml=$R/pytest.xml \
+    setsid nohup bash -c "python3 -m pytest -m gpu -q -rs ${TESTS:-tests/gpu} --junitxml=$R/pytest.xml \
       > $R/pytest.log 2>&1; echo pytest rc=\$? \$(date +%T) >> $R/done.log" > /dev/null 2>&1 < /dev/null &
     for i in $(seq ${DEMO_P:-7}); do setsid nohup bash -c "worker demo 70" > /dev/null 2>&1 < /dev/null & done
     setsid nohup bash -c "python3 -m ftchat.cli synth /tmp/fn4 --preset flash-next --layers 4 \
@@ -53,7 +53,8 @@ case $1 in
   wait)
     end=$((SECONDS + ${WAIT_S:-540}))
     while [ $SECONDS -lt $end ]; do
-      [ "$(ls $R/verify_*.json 2> /dev/null | wc -l)" -ge 140 ] && grep -q pytest $R/done.log && break
+      grep -q synth $R/done.log && grep -q pytest $R/done.log && \
+        ! pgrep -f 'ftchat.cli verify' > /dev/null && break
       sleep 10
     done
     cp $R/*.json $R/*.log $R/*.xml "$O/" 2> /dev/null

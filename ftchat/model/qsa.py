@@ -13,9 +13,11 @@ runs the decode's attention kernels with the chunk's queries as their rows, read
 query's selected tokens from the cache: no gather, chunks bounded by the block scores. The dense
 [B, T, L] selection mask (`select_tokens`, `dense_attention`) is the reference of both.
 Decode (T == 1) is O(budget): block scores from the cached compressed keys k̄ (cache['kbar'],
-written once per block when its last token arrives), a fixed-size top-k and a gather of at most
-budget + r - 1 tokens. Its shapes depend on kv_len only, never on the data, so it can be
-captured in a CUDA graph (there kv_len is the whole capacity and the positions live on the device).
+written once per block when its last token arrives), a fixed-size top-k and a gather of
+budget + r - 1 token slots. The block scores' shape depends on kv_len only, never on the data,
+so it can be captured in a CUDA graph (there kv_len is the whole capacity and the positions
+live on the device); the selection's shape on the budget only (`decode_blocks`), so eager and
+captured steps give the same bits.
 
 K and V are stored in the model dtype or, opt-in, as FP8 codes with a scale per token and kv head
 (model/kv_cache.py: written by `store_kv`, read by `gather_kv`); index and block keys stay in the
