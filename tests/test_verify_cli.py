@@ -36,6 +36,19 @@ def test_verify_audits_every_prompt_even_a_short_one(tiny_nvfp4):
     assert out["audits"] == 3 and [v["audits"] for v in out["per_prompt"]] == [1, 1, 1]
 
 
+def test_verify_reports_each_prompts_length(tiny_nvfp4):
+    from ftchat.commands.verify import cold_prompts
+    from ftchat.model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_folder(tiny_nvfp4)
+    want = [len(tok.encode(tok.render_chat([{"role": "user", "content": t}])))
+            for t in cold_prompts(3, 0)]
+    res = _verify(tiny_nvfp4)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [v["prompt_tokens"] for v in out["per_prompt"]] == want and min(want) > 10
+
+
 def test_verify_prompt_seed_picks_other_cold_prompts(tiny_nvfp4, monkeypatch):
     from ftchat.commands import verify as commands
 

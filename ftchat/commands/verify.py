@@ -68,6 +68,9 @@ class PromptVerdict:
     # whether or not replay itself matches eager decode
     graph_prefetch_first_mismatch: int | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # wall time of each arm
+    # the prompt's tokens: the eager arms size their KV cache to it, the graph arms to the
+    # longest prompt of the run (a replay-vs-eager difference that follows it shows here)
+    prompt_tokens: int = 0
 
 
 def _greedy(m: LoadedModel, ids: list[int], max_new: int, ex, settings: Settings) -> list[int]:
@@ -167,7 +170,8 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
                            "on": _first_diff(on, replayed["on"])}
             graph_prefetch = _first_diff(replayed["off"], replayed["on"])
         verdicts.append(PromptVerdict(i, len(on), first, verifier.report(), audit.audits,
-                                      audit.bad, graph_first, graph_prefetch, clock.seconds))
+                                      audit.bad, graph_first, graph_prefetch, clock.seconds,
+                                      len(ids)))
         if progress:
             progress(i + 1, n)
     return verdicts
