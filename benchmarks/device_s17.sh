@@ -10,8 +10,8 @@
 #            70 shards x 6 prompts, 137 of 2,048 slots, FN_P workers (default 5: a process
 #            holds ~20 GiB of GPU memory; session 16 lost shards to OOM with 8).
 #          Workers claim shards (mkdir), so `more` can add workers to a running queue.
-#   wait   waits up to WAIT_S (default 540) for the queues and pytest, copies what is done
-#          to $OUT, prints the progress and the mean seconds of each arm a prompt
+#   wait   waits up to WAIT_S (default 540) for the queues and pytest, archives what is done
+#          in $OUT/res.tgz, prints the progress and the mean seconds of each arm a prompt
 #   more   TAG=demo|fn4 P=N: N more workers on a queue
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=2
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps_pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps_log
@@ -57,8 +57,9 @@ case $1 in
         ! pgrep -f 'ftchat.cli verify' > /dev/null && break
       sleep 10
     done
-    cp $R/*.json $R/*.log $R/*.xml "$O/" 2> /dev/null
-    for f in $R/*.err; do [ -s "$f" ] && grep -qv "demo model\|^loading\|^verifying\|^building" "$f" && cp "$f" "$O/"; done
+    # one archive: the device returns only a few files a call
+    (cd $R && tar czf "$O/res.tgz" $(ls *.json *.log *.xml 2> /dev/null) \
+      $(for f in *.err; do [ -s "$f" ] && grep -qv "demo model\|^loading\|^verifying\|^building" "$f" && echo "$f"; done))
     echo "$(date +%T) demo shards $(ls $R/verify_demo_*.json 2> /dev/null | wc -l)/70, fn4 $(ls $R/verify_fn4_*.json 2> /dev/null | wc -l)/70; verify running $(pgrep -fc 'ftchat.cli verify'); pytest running $(pgrep -fc 'pytest -m gpu')"
     grep -v "rc=0" $R/done.log | tail -5
     python3 - $R <<'PY'
