@@ -201,15 +201,23 @@ def test_selection_does_not_depend_on_the_span(r, budget):
     assert spans_differ(tiny_args(r, budget), 90) == []
 
 
-def test_control_selection_sized_by_the_span_differs(monkeypatch):
-    """The check above can fail: with K sized by kv_len // r (the old rule) short contexts
-    select fewer slots eagerly than in the graph."""
-    def sized_by_span(kv_len: int, a: ModelArgs) -> tuple[int, int]:
-        N = kv_len // a.indexer_compress_ratio
-        return N, min(a.indexer_budget // a.indexer_compress_ratio, N)
+@pytest.mark.parametrize("rule", ["span", "cache"])
+def test_control_selection_sized_by_span_or_cache_differs(rule, monkeypatch):
+    """The check above can fail: with K sized by kv_len // r (the first rule) or by the cache's
+    blocks (the second) short contexts select fewer slots eagerly than in the graph."""
+    L = 90
 
-    monkeypatch.setattr(qsa, "decode_blocks", sized_by_span)
-    assert len(spans_differ(tiny_args(4, 64), 90)) > 60  # every p < 64 + 3 at least
+    def sized(kv_len: int, a: ModelArgs) -> tuple[int, int]:
+        r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+        if rule == "span":
+            N = kv_len // r
+        else:  # spans_differ's eager cache holds kv_len + 5 tokens
+            N = min(max(kv_len // r, top), (L if kv_len == L else kv_len + 5) // r)
+        return N, min(top, N)
+
+    monkeypatch.setattr(qsa, "decode_blocks", sized)
+    # each p whose eager K is below the top count of 16: 63 (span), 58 (cache)
+    assert len(spans_differ(tiny_args(4, 64), L)) > 50
 
 
 def test_control_ties_to_the_highest_block_fail(monkeypatch):
