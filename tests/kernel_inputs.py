@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -136,3 +138,22 @@ def capture(step):
     with torch.cuda.graph(graph):
         out = step()
     return graph, out
+
+
+def old_decode_blocks(rule: str, eager_cache: Callable[[int], int], capacity: int):
+    """A stand-in for qsa.decode_blocks with one of the two rules that made eager decode and
+    graph replay differ below the budget (the controls of the span tests): "span", K sized by
+    kv_len // r; "cache", K = min(top, the cache's blocks). Calls at kv_len == capacity are the
+    captured step's (a cache of `capacity` tokens); the others the eager step's, whose cache
+    holds eager_cache(kv_len) tokens."""
+    def sized(kv_len: int, a) -> tuple[int, int]:
+        r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
+        if rule == "span":
+            N = kv_len // r
+        else:
+            cache = capacity if kv_len == capacity else eager_cache(kv_len)
+            N = min(max(kv_len // r, top), cache // r)
+        return N, min(top, N)
+
+    assert rule in ("span", "cache")
+    return sized

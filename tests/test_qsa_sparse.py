@@ -22,6 +22,7 @@ from ftchat.model.layers import apply_rope, rms_norm, rope_cos_sin
 from ftchat.model.qwen4_exp import forward
 from ftchat.model.state import DecodeState
 from ftchat.model.synth import preset_config
+from tests.kernel_inputs import old_decode_blocks
 
 # fp32 logits (magnitude ~2-10). The sparse softmax runs over the selected tokens only, the dense
 # one over all with the rest at finfo.min, whose exp(min - max) is exactly 0: the same terms,
@@ -203,18 +204,10 @@ def test_selection_does_not_depend_on_the_span(r, budget):
 
 @pytest.mark.parametrize("rule", ["span", "cache"])
 def test_control_selection_sized_by_span_or_cache_differs(rule, monkeypatch):
-    """The check above can fail: with K sized by kv_len // r (the first rule) or by the cache's
-    blocks (the second) short contexts select fewer slots eagerly than in the graph."""
-    L = 90
-
-    def sized(kv_len: int, a: ModelArgs) -> tuple[int, int]:
-        r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-        if rule == "span":
-            N = kv_len // r
-        else:  # spans_differ's eager cache holds kv_len + 5 tokens
-            N = min(max(kv_len // r, top), (L if kv_len == L else kv_len + 5) // r)
-        return N, min(top, N)
-
+    """The check above can fail: under either old rule (tests/kernel_inputs.old_decode_blocks)
+    short contexts select fewer slots eagerly than in the graph."""
+    L = 90  # spans_differ's eager cache holds kv_len + 5 tokens
+    sized = old_decode_blocks(rule, lambda kv_len: kv_len + 5, L)
     monkeypatch.setattr(qsa, "decode_blocks", sized)
     # each p whose eager K is below the top count of 16: 63 (span), 58 (cache)
     assert len(spans_differ(tiny_args(4, 64), L)) > 50

@@ -55,6 +55,7 @@ from ftchat.model import qsa
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
 from ftchat.model.synth import _init, preset_config
+from tests.kernel_inputs import old_decode_blocks
 
 pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -606,20 +607,11 @@ def test_eager_span_and_graph_span_agree_bit_for_bit():
 
 @pytest.mark.parametrize("rule", ["span", "cache"])
 def test_control_selection_sized_by_span_or_cache_changes_bits(rule, monkeypatch):
-    """The check above can fail: with K sized by kv_len // r (the first rule) or by the cache's
-    blocks (the second: N = min(max(kv_len // r, top), cache blocks), K = min(top, N)) the
-    two steps' outputs differ."""
+    """The check above can fail: under either old rule (tests/kernel_inputs.old_decode_blocks)
+    the two steps' outputs differ."""
     lengths, steps, L = [37, 110], _steps("real"), 4096
     L_e = max(lengths) + steps + 1  # _span_runs' eager cache; its steps' kv_len are <= L_e
-
-    def sized(kv_len: int, a: ModelArgs) -> tuple[int, int]:
-        r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-        if rule == "span":
-            N = kv_len // r
-        else:
-            N = min(max(kv_len // r, top), (L if kv_len == L else L_e) // r)
-        return N, min(top, N)
-
+    sized = old_decode_blocks(rule, lambda kv_len: L_e, L)
     monkeypatch.setattr(qsa, "decode_blocks", sized)
     eager, graph = _span_runs(_args("real"), lengths, steps, L)
     assert sum(not torch.equal(e, g) for e, g in zip(eager, graph)) > 0
