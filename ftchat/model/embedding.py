@@ -28,8 +28,8 @@ _PINNED: list[Tensor] = []  # every host table made, kept for the process (see t
 def to_host(table: Tensor) -> Tensor:
     """The table in page-locked host memory (the gather kernel reads it over UVA), on pages of
     its own and registered at its size (torch's pin_memory would round 1.27 GB up to 2 GiB).
-    The copy lives as long as the process: a freed registered range whose address came back
-    would be refused by the next registration (tests load many small models)."""
+    The copy lives as long as the process, so no captured graph can outlive the table whose
+    address it holds."""
     from ftchat.model.ngram_table import page_tensor
     from ftchat.offload.store import pin  # ftchat.offload imports this package
 

@@ -106,8 +106,8 @@ class NGramTable:
 class HostTable:
     """The whole table in one host tensor `data` [N, d] in its stored dtype, plus the scalar
     scale. On CUDA `data` is pinned (engine.load_model) and `gather` reads it with the Triton
-    kernel over UVA; elsewhere (CPU, no Triton) the torch reference gathers it. `data` must not
-    outlive this object's pinning (it is registered for the process's lifetime)."""
+    kernel over UVA; elsewhere (CPU, no Triton) the torch reference gathers it. The pinning
+    ends when `data` is collected (offload.store.pin)."""
 
     device = torch.device("cpu")
 

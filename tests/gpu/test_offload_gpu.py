@@ -153,7 +153,9 @@ def test_eviction_of_a_slot_whose_prefetch_copy_is_in_flight(folders):
 
     def setup(ex, join: bool):
         ex.predictor = wrong_guesses
-        _sleepy(ex, "prefetch", 20_000_000)
+        # ~50 ms a prefetch copy: the race must show even when other processes share the GPU
+        # (20M cycles did not under five verify processes and MPS, session 18)
+        _sleepy(ex, "prefetch", 100_000_000)
         if not join:
             ex._join = lambda layer: None
 
