@@ -466,7 +466,9 @@ def bench_cmd(
         help="Arms separated by ';': resident, off, measure, on[:budget=4,eviction=lru,...]; "
              "fused=0 in an arm runs the torch decode path, pdl=0 launches without "
              "programmatic dependent launch, rowloop=0 takes the tiled NVFP4 kernels, "
-             "onerow=0 the routed experts' 2-h-row tile at bs 1")]
+             "onerow=0 the routed experts' 2-h-row tile at bs 1, hc1=1 the HC read in one "
+             "launch; resident:skip=hc+gemv "
+             "leaves kernel families out (their marginal cost; not the model's tokens)")]
     = "off;on;on:budget=4",
     context: Annotated[str, typer.Option(
         "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k")] = "4k",

@@ -24,6 +24,10 @@ from ftchat.settings import Settings
     ("resident:rowloop=on", "rowloop='on': expected 1 or 0"),
     ("resident:onerow=2", "onerow='2': expected 1 or 0"),
     ("resident:budget=3", "resident takes only fused"),
+    ("resident:skip=lm_head", "expected all, or one or more of hc, gemv"),
+    ("resident:skip=+", "expected all, or one or more of hc, gemv"),
+    ("off:skip=hc", "skip= is for resident arms"),
+    ("resident:hc1=yes", "hc1='yes': expected 1 or 0"),
 ])
 def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
     with pytest.raises(FtchatError, match=message):
@@ -33,7 +37,8 @@ def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
 def test_arms_parse_into_settings():
     arms = parse_arms("resident; off:eviction=lru ;on:budget=4,overlap=0;resident:fused=0;"
                       "resident:pdl=0;off:pdl=0;resident:rowloop=0;resident:onerow=1;"
-                      "resident:onerow=0", Settings())
+                      "resident:onerow=0;resident:skip=hc;resident:skip=gemv+routed;resident:hc1=1;"
+                      "on:hc1=1", Settings())
     assert arms["resident"].settings is None and arms["resident"].fused and arms["resident"].pdl
     assert arms["resident:fused=0"].settings is None and not arms["resident:fused=0"].fused
     assert arms["resident:pdl=0"].fused and not arms["resident:pdl=0"].pdl
@@ -43,6 +48,11 @@ def test_arms_parse_into_settings():
     assert arms["resident"].one_row is None  # the default tile, whatever it is
     assert arms["resident:onerow=1"].one_row and arms["resident:onerow=0"].one_row is False
     assert arms["off:eviction=lru"].settings.eviction == "lru"
+    assert arms["resident"].skip == frozenset() and arms["resident:skip=hc"].skip == {"hc"}
+    assert arms["resident:skip=gemv+routed"].skip == {"gemv", "routed"}
+    assert arms["resident:skip=hc"].fused and arms["resident:skip=hc"].settings is None
+    assert arms["resident:hc1=1"].hc_one_launch and arms["on:hc1=1"].hc_one_launch
+    assert not arms["resident"].hc_one_launch
     on = arms["on:budget=4,overlap=0"].settings
     assert (on.prefetch, on.budget_gdn, on.budget_attn, on.overlap) == ("on", 4, 4, False)
 
@@ -94,3 +104,23 @@ def test_an_arms_kernel_switches_reach_the_routed_tiles():
     assert picked["resident:onerow=0"] == (ek.V4_TILES, ek.V4_TILES)
     assert {t.variant for t in picked["resident:rowloop=0"]} == {"v2"}
     assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1  # the switches end with the block
+
+
+def test_a_skip_arm_off_cuda_is_an_error(tiny_bf16):
+    """On the CPU the step runs no fused kernel: a skip arm would time the unchanged step."""
+    m = load_model(tiny_bf16)
+    base = Settings(device="cpu")
+    with pytest.raises(FtchatError, match="skip= leaves out fused CUDA kernels"):
+        bench_context(m, parse_arms("resident;resident:skip=hc", base), 16, base, steps=1,
+                      rounds=1)
+
+
+def test_an_arms_hc1_and_skip_switches_hold_within_its_block():
+    from ftchat.commands.bench import arm_kernels
+    from ftchat.kernels import HC_ONE_LAUNCH
+    from ftchat.kernels.skip import SKIP
+
+    arm = parse_arms("resident:hc1=1,skip=router", Settings())["resident:hc1=1,skip=router"]
+    with arm_kernels(arm):
+        assert HC_ONE_LAUNCH.value and SKIP.value == {"router"}
+    assert not HC_ONE_LAUNCH.value and SKIP.value == frozenset()

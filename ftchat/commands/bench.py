@@ -6,6 +6,10 @@ every round runs every arm once. `fused=0` runs the torch decode path on CUDA (t
 kernel's before/after); `pdl=0` launches the fused kernels without programmatic dependent launch;
 `rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
 `onerow=0` gives the routed experts' row-loop kernel 2 h rows a program at bs 1 (as at bs 2);
+`hc1=1` runs the HC read as one launch (a grid barrier between its parts; off by default);
+`resident:skip=hc` (or `skip=hc+gemv`; ftchat/kernels/skip.py) leaves those kernel families out
+of the step: beside `resident`, the difference is their marginal cost (its tokens are not the
+model's);
 `off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
 rounds one more step of each arm is profiled: kernels per step and the device's busy time.
 Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
@@ -26,8 +30,9 @@ import torch
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
-from ftchat.kernels import (fused_kernels, one_row_kernels, pdl_kernels, rowloop_kernels,
-                            use_one_row)
+from ftchat.kernels import (fused_kernels, hc_one_launch_kernels, one_row_kernels, pdl_kernels,
+                            rowloop_kernels, use_fused, use_one_row)
+from ftchat.kernels.skip import SKIP, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.offload.backend import StagedExperts
 from ftchat.profile import profile_call
@@ -45,6 +50,8 @@ class ArmSpec:
     pdl: bool = True  # ... launched with programmatic dependent launch where the GPU has it
     rowloop: bool = True  # the NVFP4 decode kernels' row-loop defaults (False: the tiled ones)
     one_row: bool | None = None  # the routed experts' one-h-row bs-1 tile (None: the default)
+    skip: frozenset[str] = frozenset()  # kernel families left out (a timing diagnostic)
+    hc_one_launch: bool = False  # the HC read as one launch with a grid barrier
 
 
 @contextmanager
@@ -52,7 +59,8 @@ def arm_kernels(spec: ArmSpec) -> Iterator[None]:
     """An arm's kernel switches around its capture, its rounds and its profiled step."""
     one_row = use_one_row() if spec.one_row is None else spec.one_row
     with (fused_kernels(spec.fused), pdl_kernels(spec.pdl), rowloop_kernels(spec.rowloop),
-          one_row_kernels(one_row)):
+          one_row_kernels(one_row), SKIP.set(spec.skip),
+          hc_one_launch_kernels(spec.hc_one_launch)):
         yield
 
 
@@ -70,19 +78,29 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         flags[k.strip()] = v.strip()
     switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop")}
     one_row = flags.pop("onerow", None)
-    for k, v in (*switches.items(), ("onerow", one_row or "0")):
+    hc1 = flags.pop("hc1", "0")
+    skip = flags.pop("skip", None)
+    if skip is not None and head != "resident":
+        raise FtchatError(f"bench arm {spec!r}: skip= is for resident arms (the offload arms' "
+                          "cache and prefetch would see kept outputs)")
+    for k, v in (*switches.items(), ("onerow", one_row or "0"), ("hc1", hc1)):
         if v not in ("0", "1"):
             raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
     if head == "resident" and flags:
-        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl=, rowloop= and "
-                          "onerow= (0 or 1)")
+        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl=, rowloop=, "
+                          "onerow=, hc1= (0 or 1) and skip=")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
     except FtchatError as e:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
+    try:
+        skipped = frozenset() if skip is None else parse_skip(skip)
+    except FtchatError as e:
+        raise FtchatError(f"bench arm {spec!r}: {e}") from None
     return ArmSpec(s, *(switches[k] == "1" for k in ("fused", "pdl", "rowloop")),
-                   one_row=None if one_row is None else one_row == "1")
+                   one_row=None if one_row is None else one_row == "1", skip=skipped,
+                   hc_one_launch=hc1 == "1")
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
@@ -114,6 +132,9 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
     """An arm's backend and decode iterator; resident arms share `resident` (it holds no
     state, and the real model's rows fill most of the GPU once)."""
     s = spec.settings
+    if spec.skip and not use_fused(torch.empty(0, device=m.device)):
+        raise FtchatError(f"bench arm {name!r}: skip= leaves out fused CUDA kernels, and on "
+                          f"{m.device} the decode step runs none")
     before, t = _allocated(m), time.perf_counter()
     ex = resident if s is None else build_experts(m, s)
     with arm_kernels(spec):  # a captured graph keeps the choice

@@ -64,8 +64,12 @@ ROWLOOP = Switch(True)
 # the routed experts' row-loop kernel takes one h row a program at bs 1 instead of the 2 rows it
 # takes at bs 2 and above (192.7 vs 185.0 tok/s at 48 layers, 4K, on the H200)
 ONE_ROW = Switch(True)
+# the HC read as one launch with a grid barrier between its parts (hyper._read_one_launch_kernel)
+# instead of two kernels; off until measured at 48 layers (bench's hc1=1 arms)
+HC_ONE_LAUNCH = Switch(False)
 fused_kernels, pdl_kernels = FUSED.set, PDL.set
 rowloop_kernels, one_row_kernels = ROWLOOP.set, ONE_ROW.set
+hc_one_launch_kernels = HC_ONE_LAUNCH.set
 
 
 def use_fused(t) -> bool:

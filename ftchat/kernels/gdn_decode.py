@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 # ===== device helpers =====
@@ -179,6 +180,7 @@ def default_block_v(B: int, Hv: int, dv: int) -> int:
     return bv
 
 
+@family("gdn")
 def gdn_decode_step(proj: Tensor, conv_state: Tensor, S: Tensor, conv_w: Tensor, A_log: Tensor,
                     dt_bias: Tensor, norm_w: Tensor, dims: tuple[int, int, int, int], eps: float,
                     gate: str, block_v: int | None = None, num_warps: int | None = None) -> Tensor:

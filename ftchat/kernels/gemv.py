@@ -67,6 +67,7 @@ from torch import Tensor
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
 from ftchat.kernels.router import _topk_row
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 GEMV_MAX_ROWS = 8  # decode batches; every row re-reads the tile from registers, compute grows
@@ -241,6 +242,7 @@ def _pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 
 
+@family("gemv")
 def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tensor:
     """F.linear(x, w) = x @ w.T for x [..., K] (rows = x.numel() / K <= GEMV_MAX_ROWS) and w
     [N, K] contiguous, both bf16 or both fp32; returns [..., N] in x's dtype (fp32 accumulation,
@@ -253,6 +255,7 @@ def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tenso
     return _launch(x.reshape(-1, K).contiguous(), x.shape[:-1], w, tiles, gated=False)[0]
 
 
+@family("gemv")
 def linear_gated_triton(gu: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tensor:
     """F.linear(silu(g) * u, w) for g = gu[..., :K], u = gu[..., K:2K] (K = w.shape[1]; gu [...,
     >= 2K], rows may be strided: the shared expert's fused GEMV output [gate | up | ...]), with
@@ -268,6 +271,7 @@ def linear_gated_triton(gu: Tensor, w: Tensor, tiles: GemvTiles | None = None) -
     return _launch(gu2, gu.shape[:-1], w, tiles, gated=True)[0]
 
 
+@family("gemv")
 def linear_topk_triton(x: Tensor, w: Tensor, experts: int, k: int, norm_topk_prob: bool,
                        tiles: GemvTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """(y, ids, weights): y = F.linear(x, w) as `linear_triton` (the same bits), whose last

@@ -1,5 +1,8 @@
 """Hyper-connection read (mix) and write for decode in two Triton kernels (one for a write alone).
 
+(Or in one launch, `HC_ONE_LAUNCH`: the same two parts' tiles in one grid with a barrier between
+them, `_read_one_launch_kernel`; off by default until measured.)
+
 The read (ARCH.md section 3.1) of R [rows, hc*D], optionally after the previous block's pending
 write R' = R + s_prev * y (the "write fold": it costs no kernel of its own), split-K:
   kernel 1, grid (cdiv(NOUT, BLOCK_N), hc * chunks): program (p, k) loads one [BLOCK_N, BLOCK_K]
@@ -37,8 +40,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
-from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
+from ftchat.kernels import (HAS_TRITON, HC_ONE_LAUNCH, INTERPRET, jit as _jit,  # noqa: F401
+                            pdl_launch, tl, triton)
+from ftchat.kernels.skip import family
+from ftchat.kernels.sync import (co_resident, counters, grid_barrier,
+                                 last_to_arrive as _last_to_arrive, pdl_release, pdl_wait)
 
 HC_MAX_ROWS = 8  # decode batches: the kernels loop over rows, reusing each weight tile
 
@@ -112,23 +118,12 @@ def _sigmoid(x):
 
 
 @_jit
-def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss_ptr, m_ptr,
-                       sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D: tl.constexpr, HC: tl.constexpr,
-                       L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
-                       BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
-                       PDL: tl.constexpr):
-    """HC read, part 1 (split). Grid (cdiv(NOUT, BLOCK_N), HC * CPS): program (p, k) takes chunk
-    k of C (BLOCK_K columns of stream k // CPS), loads its [BLOCK_N, BLOCK_K] tile of
-    [W_down; W_inj] once, and for every row stores sum(R'^2) over the chunk (ss [NB, NS, RB]) and
-    the partial product of R' (1 + w) with the tile (part [NS, RB, NOUT]): the statistic is not
-    needed yet, since Rn . W = rstd * (R' (1 + w)) . W per stream. The last of the NS programs of
-    row block p (a counter, left zero) sums its chunks: rstd per stream, d = sum over chunks of
-    rstd * part, then torch's roundings: m = silu(d / hc) -> m [RB, L] (fp32), s = 2 sigmoid(d /
-    hc) -> s_out; block 0 stores rstd [RB, HC].
-    """
-    pdl_release(PDL)
-    p, k = tl.program_id(0), tl.program_id(1)
+def _down_tile(p, k, r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss_ptr, m_ptr,
+               sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D: tl.constexpr, HC: tl.constexpr,
+               L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr, BF16: tl.constexpr,
+               RB: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               CPS: tl.constexpr, NSP: tl.constexpr, PDL: tl.constexpr):
+    # HC read part 1 for tile (p, k): see _down_split_kernel
     NS: tl.constexpr = HC * CPS
     g = k // CPS
     j = (k % CPS) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K] columns of stream g
@@ -178,6 +173,79 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
 
 
 @_jit
+def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss_ptr, m_ptr,
+                       sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D: tl.constexpr, HC: tl.constexpr,
+                       L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
+                       BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
+                       PDL: tl.constexpr):
+    """HC read, part 1 (split). Grid (cdiv(NOUT, BLOCK_N), HC * CPS): program (p, k) takes chunk
+    k of C (BLOCK_K columns of stream k // CPS), loads its [BLOCK_N, BLOCK_K] tile of
+    [W_down; W_inj] once, and for every row stores sum(R'^2) over the chunk (ss [NB, NS, RB]) and
+    the partial product of R' (1 + w) with the tile (part [NS, RB, NOUT]): the statistic is not
+    needed yet, since Rn . W = rstd * (R' (1 + w)) . W per stream. The last of the NS programs of
+    row block p (a counter, left zero) sums its chunks: rstd per stream, d = sum over chunks of
+    rstd * part, then torch's roundings: m = silu(d / hc) -> m [RB, L] (fp32), s = 2 sigmoid(d /
+    hc) -> s_out; block 0 stores rstd [RB, HC].
+    """
+    pdl_release(PDL)
+    _down_tile(tl.program_id(0), tl.program_id(1), r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr,
+               part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D, HC, L, NOUT,
+               ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
+
+
+@_jit
+def _up_w0(p, wu_ptr, D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
+           BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    # the first low-rank step of tile p's W_up rows (a weight: loadable before any wait); all
+    # masked for a p past the last tile
+    c = tl.arange(0, HCP * BLOCK_D)
+    stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
+    c_ok = (stream < HC) & (j < D)
+    ll = tl.arange(0, BLOCK_L)
+    return tl.load(wu_ptr + (stream * D + j)[:, None] * L + ll[None, :],
+                   mask=c_ok[:, None] & (ll < L)[None, :], other=0.0)
+
+
+@_jit
+def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
+             D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
+             ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr, BLOCK_D: tl.constexpr,
+             BLOCK_L: tl.constexpr):
+    # HC read part 2 for tile p, its first W_up step w0 (_up_w0) already loaded: see
+    # _up_split_kernel
+    c = tl.arange(0, HCP * BLOCK_D)  # tile row c: stream c // BLOCK_D, column p*BLOCK_D + c % ..
+    stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
+    c_ok = (stream < HC) & (j < D)
+    w_row = (stream * D + j)[:, None]  # [HCP*BLOCK_D, 1] rows of W_up
+    ll = tl.arange(0, BLOCK_L)
+    xj = p * BLOCK_D + tl.arange(0, BLOCK_D)
+    for bi in tl.static_range(RB):
+        if bi < rows:
+            acc = tl.zeros([HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
+            for lb in tl.static_range(0, L, BLOCK_L):
+                lo = lb + ll
+                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0, cache_modifier=".cg")
+                if lb == 0:
+                    w = w0
+                else:
+                    w = tl.load(wu_ptr + w_row * L + lo[None, :],
+                                mask=c_ok[:, None] & (lo < L)[None, :], other=0.0)
+                acc += w.to(tl.float32) * m[None, :]
+            mix = _rnd(_sigmoid(_rnd(tl.sum(acc, axis=1), BF16)), BF16)  # [HCP*BLOCK_D]
+            v = _updated(r_ptr, y_ptr, s_ptr, bi, stream, j, c_ok, D, HC, ADD, BF16)  # R'
+            rstd = tl.load(rstd_ptr + bi * HC + stream, mask=c_ok, other=0.0,
+                           cache_modifier=".cg")
+            prod = _rnd(mix * _normed(v, rstd, nw_ptr, stream, j, c_ok, D, BF16), BF16)
+            xs = tl.sum(tl.reshape(prod, (HCP, BLOCK_D)), axis=0)  # [BLOCK_D] over streams
+            tl.store(x_ptr + bi * D + xj,
+                     _rnd(tl.div_rn(xs, HC * 1.0), BF16).to(x_ptr.dtype.element_ty), mask=xj < D)
+            if ADD:  # this program's columns of R' (every column of C belongs to one program)
+                tl.store(rout_ptr + bi * (HC * D) + stream * D + j,
+                         v.to(rout_ptr.dtype.element_ty), mask=c_ok)
+
+
+@_jit
 def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
                      D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
                      ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr,
@@ -190,38 +258,52 @@ def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr
     """
     pdl_release(PDL)
     p = tl.program_id(0)
-    c = tl.arange(0, HCP * BLOCK_D)  # tile row c: stream c // BLOCK_D, column p*BLOCK_D + c % ..
-    stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
-    c_ok = (stream < HC) & (j < D)
-    w_row = (stream * D + j)[:, None]  # [HCP*BLOCK_D, 1] rows of W_up
-    ll = tl.arange(0, BLOCK_L)
-    xj = p * BLOCK_D + tl.arange(0, BLOCK_D)
     # the first low-rank step's weights load before the PDL wait (m comes from part 1)
-    w0 = tl.load(wu_ptr + w_row * L + ll[None, :], mask=c_ok[:, None] & (ll < L)[None, :],
-                 other=0.0)
+    w0 = _up_w0(p, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
     pdl_wait(PDL)
-    for bi in tl.static_range(RB):
-        if bi < rows:
-            acc = tl.zeros([HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
-            for lb in tl.static_range(0, L, BLOCK_L):
-                lo = lb + ll
-                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0)
-                if lb == 0:
-                    w = w0
-                else:
-                    w = tl.load(wu_ptr + w_row * L + lo[None, :],
-                                mask=c_ok[:, None] & (lo < L)[None, :], other=0.0)
-                acc += w.to(tl.float32) * m[None, :]
-            mix = _rnd(_sigmoid(_rnd(tl.sum(acc, axis=1), BF16)), BF16)  # [HCP*BLOCK_D]
-            v = _updated(r_ptr, y_ptr, s_ptr, bi, stream, j, c_ok, D, HC, ADD, BF16)  # R'
-            rstd = tl.load(rstd_ptr + bi * HC + stream, mask=c_ok, other=0.0)
-            prod = _rnd(mix * _normed(v, rstd, nw_ptr, stream, j, c_ok, D, BF16), BF16)
-            xs = tl.sum(tl.reshape(prod, (HCP, BLOCK_D)), axis=0)  # [BLOCK_D] over streams
-            tl.store(x_ptr + bi * D + xj,
-                     _rnd(tl.div_rn(xs, HC * 1.0), BF16).to(x_ptr.dtype.element_ty), mask=xj < D)
-            if ADD:  # this program's columns of R' (every column of C belongs to one program)
-                tl.store(rout_ptr + bi * (HC * D) + stream * D + j,
-                         v.to(rout_ptr.dtype.element_ty), mask=c_ok)
+    _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
+             D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L)
+
+
+@_jit
+def _read_one_launch_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, wu_ptr, part_ptr, ss_ptr,
+                            m_ptr, sout_ptr, rstd_ptr, x_ptr, rout_ptr, cnt_ptr, bar_ptr, rows,
+                            eps, D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr,
+                            L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
+                            BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
+                            BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NB: tl.constexpr,
+                            NUP: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr):
+    """HC read in one launch (PHASE 0): the G programs take part 1's NB * NS tiles and part 2's
+    NUP tiles round robin (tile t of a part to program t % G), with a grid barrier between the
+    parts; each program loads its first part-2 weights before the barrier. The tiles are
+    _down_split_kernel's and _up_split_kernel's (the same helpers), so the output is theirs bit
+    for bit. G must not exceed `sync.co_resident`. PHASE 1 / 2 run one part alone, two launches
+    in order with the same grid (the interpreter's form: its programs run one after another,
+    and a barrier would never open)."""
+    NS: tl.constexpr = HC * CPS
+    pid, G = tl.program_id(0), tl.num_programs(0)
+    if PHASE != 2:
+        for t in tl.range(pid, NB * NS, G):
+            _down_tile(t // NS, t % NS, r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr,
+                       ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D, HC, L, NOUT,
+                       ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
+    if PHASE != 1:
+        w0 = _up_w0(pid, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
+        pdl_wait(PDL)  # every program, before it reads R (a program may have had no tile above)
+        if PHASE == 0:
+            grid_barrier(bar_ptr, G)
+        pdl_release(PDL)  # not before the barrier: the next kernel could take our slots
+        if pid < NUP:
+            _up_tile(pid, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
+                     rout_ptr, rows, D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L)
+        for t in tl.range(pid + G, NUP, G):
+            _up_tile(t, _up_w0(t, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L), r_ptr, y_ptr, s_ptr,
+                     nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows, D, HC, HCP, L, ADD,
+                     BF16, RB, BLOCK_D, BLOCK_L)
+    else:
+        pdl_wait(PDL)
+        pdl_release(PDL)
 
 
 @_jit
@@ -258,6 +340,7 @@ def _step(n: int, cap: int) -> int:
     return b if 4 * b >= full else full
 
 
+@family("hc")
 def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = None,
                   s: Tensor | None = None, inject: bool = True, tiles: HcTiles | None = None):
     """(R', x, s_new): R' = R + s * y per stream (R itself when y is None), then the HC read of R'.
@@ -268,8 +351,9 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
             input_mix_weight_up.weight [C, L], block_inject_weight.weight [hc, C] (if inject).
         y, s: [..., D] block output and [..., hc] its injection weights, R's dtype; or None.
     Returns R' [..., C] (a new tensor when y is given), x [..., D] and s_new [..., hc] (None
-    without inject), all in R's dtype. Two kernel launches; no host sync. With PDL the weight
-    tiles are read before the previous kernel has finished: no kernel may still be writing w.
+    without inject), all in R's dtype. Two kernel launches, or one with `HC_ONE_LAUNCH` on (the
+    same bits); no host sync. With PDL the weight tiles are read before the previous kernel has
+    finished: no kernel may still be writing w.
     """
     C = R.shape[-1]
     D = C // hc
@@ -304,17 +388,46 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
     ss = torch.empty(nb, ns, rb, dtype=torch.float32, device=dev)
     m = torch.empty(rb, L, dtype=torch.float32, device=dev)
     rstd = torch.empty(rb, hc, dtype=torch.float32, device=dev)
-    _down_split_kernel[(nb, ns)](
-        R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, counters(dev, nb, "hc"), rows, eps,
-        NOUT=NOUT, BLOCK_N=t.down_rows, BLOCK_K=block_k, CPS=cps, NSP=triton.next_power_of_2(ns),
-        num_warps=t.down_warps, **common)
-    _up_split_kernel[(triton.cdiv(D, t.up_cols),)](
-        R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, HCP=triton.next_power_of_2(hc),
-        BLOCK_D=t.up_cols, BLOCK_L=_step(L, t.up_k), num_warps=t.up_warps, **common)
+    down = dict(NOUT=NOUT, BLOCK_N=t.down_rows, BLOCK_K=block_k, CPS=cps,
+                NSP=triton.next_power_of_2(ns))
+    up = dict(HCP=triton.next_power_of_2(hc), BLOCK_D=t.up_cols, BLOCK_L=_step(L, t.up_k))
+    cnt = counters(dev, nb, "hc")
+    if HC_ONE_LAUNCH.value:
+        nup = triton.cdiv(D, t.up_cols)
+        args = (R2, y2, s2, nw, wd, wi, wu, part, ss, m, s_out, rstd, x, r_out, cnt,
+                counters(dev, 2, "hc_barrier"), rows, eps)
+        kw = dict(NB=nb, NUP=nup, num_warps=max(t.down_warps, t.up_warps), **down, **up,
+                  **common)
+        g = _one_launch_grid(args, kw, dev, max(nb * ns, nup))
+        # the interpreter runs programs one after another: there the parts are two launches
+        for phase in (1, 2) if INTERPRET else (0,):
+            _read_one_launch_kernel[(g,)](*args, PHASE=phase, **kw)
+    else:
+        _down_split_kernel[(nb, ns)](R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, cnt, rows,
+                                     eps, num_warps=t.down_warps, **down, **common)
+        _up_split_kernel[(triton.cdiv(D, t.up_cols),)](
+            R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, num_warps=t.up_warps, **up, **common)
     return (r_out.view(R.shape), x.view(*lead, D),
             s_out.view(*lead, hc) if inject else None)
 
 
+_PROGRAMS: dict[tuple, int] = {}
+
+
+def _one_launch_grid(args: tuple, kw: dict, dev: torch.device, tiles: int) -> int:
+    """Programs of the one-launch HC read: one a tile of its larger part, at most as many as
+    the GPU holds at once (the grid barrier needs them all resident; counted per compiled
+    variant). The interpreter has no such limit."""
+    if INTERPRET:
+        return tiles
+    key = (dev, tuple(sorted((k, v) for k, v in kw.items() if k != "launch_pdl")))
+    if key not in _PROGRAMS:
+        compiled = _read_one_launch_kernel.warmup(*args, PHASE=0, grid=(1,), **kw)
+        _PROGRAMS[key] = co_resident(compiled, dev)
+    return min(tiles, _PROGRAMS[key])
+
+
+@family("hc")
 def hc_write_triton(R: Tensor, y: Tensor, s: Tensor, block: int = 1024) -> Tensor:
     """R + s_i * y for every stream i in one kernel; R [..., hc*D], y [..., D], s [..., hc]."""
     hc, D = s.shape[-1], y.shape[-1]

@@ -85,6 +85,7 @@ from ftchat.kernels import (HAS_TRITON, jit as _jit, pdl_launch, tl, triton,  # 
                             use_fused, use_rowloop)
 from ftchat.kernels.fp4 import _e2m1_bytes, _e2m1_bytes_ptx, _e2m1_pair, _e2m1_word
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 from ftchat.model import nvfp4
 
@@ -714,6 +715,7 @@ def nvfp4_linear_ref(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
     return y.to(x.dtype)
 
 
+@family("nvfp4")
 def nvfp4_linear_triton(x: Tensor, packed: Tensor, scale: Tensor, g: Tensor,
                         tail: Tensor | None = None, tiles: Nvfp4Tiles | None = None) -> Tensor:
     """`nvfp4_linear_ref`'s result from one Triton launch (no host sync, deterministic).

@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _rnd
 from ftchat.model.kv_cache import FP8, FP8_MAX, is_fp8
@@ -470,6 +471,7 @@ def _bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16
 
 
+@family("qsa")
 def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor, Tensor, Tensor],
              dims: QsaDims, eps: float, theta: float) -> tuple[Tensor, Tensor]:
     """Kernel 1 (module docstring): the post-projection work of one decode step.
@@ -514,6 +516,7 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
     return q, iq
 
 
+@family("qsa")
 def qsa_rank_keys(iq: Tensor, kbar: Tensor, pos: Tensor, n_blocks: int, ratio: int,
                   block: int = 64) -> Tensor:
     """Kernel 2: int64 ranking keys [B, N] of N = n_blocks block slots, equal to
@@ -570,6 +573,7 @@ def _tile_defaults(tc: bool, cuda: bool) -> tuple[int, int]:
     return (16, 4) if cuda else (32, 4)
 
 
+@family("qsa")
 def qsa_attention(q: Tensor, gate: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor,
                   dims: QsaDims, *, blocks: Tensor | None = None, block_keys: Tensor | None = None,
                   idx: Tensor | None = None, ok: Tensor | None = None, tiles: int | None = None,

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _bf16, _rnd
 
@@ -193,6 +194,7 @@ def _router_topk(kernel, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[
     return ids.view(*lead, k), w.view(*lead, k)
 
 
+@family("router")
 def router_topk_triton(logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
     """ids [..., k] int64 and weights [..., k] (logits' dtype) from router logits [..., E] (rows
     may be strided: the columns of the fused MoE GEMV's output). The keyed kernel: one warp

@@ -58,3 +58,41 @@ def pdl_release(PDL: tl.constexpr):
     # PDL: let the stream's next kernel be scheduled once every program of this one has run this
     if PDL:
         gdc_launch_dependents()
+
+
+@_jit
+def grid_barrier(cnt, n):
+    # every one of the launch's n programs waits here until all n have arrived: what any of
+    # them stored before is then visible to all (read it through L2, ".cg"). The n programs
+    # must be resident at once (launch at most `co_resident` of them) and no program may
+    # release the stream's next kernel before this (PDL: its programs could take the slots of
+    # ours still to come). cnt [2] int32 zeros (arrivals, departures), left zero: the last to
+    # leave resets both, when every program has left the spin
+    tl.debug_barrier()
+    tl.atomic_add(cnt, 1, sem="acq_rel")
+    while tl.atomic_add(cnt, 0, sem="acquire") < n:
+        pass
+    if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == n - 1:
+        tl.atomic_xchg(cnt, 0)
+        tl.atomic_xchg(cnt + 1, 0)
+
+
+def co_resident(compiled, device: torch.device) -> int:
+    """How many programs of a compiled Triton kernel fit on the GPU at once: the SMs times what
+    an SM holds by registers (allocated per warp in units of 256), threads, shared memory and
+    its 32-block limit. `grid_barrier` needs the launch within this."""
+    from ftchat.kernels import triton
+
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    p = torch.cuda.get_device_properties(index)
+    # registers a block may hold, which on sm_90 is also what an SM has (65,536)
+    regs = triton.runtime.driver.active.utils.get_device_properties(index)["max_num_regs"]
+    compiled._init_handles()  # loads the binary (Triton does it lazily): n_regs is known after
+    warps = compiled.metadata.num_warps
+    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
+    by_regs = regs // max(1, warps * regs_per_warp)
+    by_threads = p.max_threads_per_multi_processor // (32 * warps)
+    shared = compiled.metadata.shared
+    by_shared = p.shared_memory_per_multiprocessor // shared if shared else 32
+    return p.multi_processor_count * min(by_regs, by_threads, by_shared, 32)

@@ -70,6 +70,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 TOPK_MAX_N = 65536  # the dispatcher's limit (tested up to 65,280 = 255K context / 4)
@@ -289,6 +290,7 @@ def _write_kernel(key_ptr, st_ptr, scr_ptr, idx_ptr, val_ptr, N, K, CHUNK: tl.co
 # ===== wrappers =====
 
 
+@family("qsa")
 def topk_keys_triton(keys: Tensor, k: int, chunk: int = CHUNK, small_max: int = SMALL_MAX,
                      digit_bits: int = DIGIT_BITS, num_warps: int | None = None,
                      _edit_state=None) -> tuple[Tensor, Tensor]:

@@ -55,6 +55,7 @@ from ftchat.kernels import (HAS_TRITON, jit as _jit, pdl_launch, tl, triton,  # 
 from ftchat.kernels.fp4 import (  # noqa: F401 (importable from here too)
     _E2M1_E4M3_PTX, _PTX, _e2m1_pair, _e2m1_word)
 from ftchat.kernels.nvfp4_gemv import DEC_BITS, _codes, _group_sum, _row_chunk, _x_groups
+from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 DECODE_MAX_TOKENS = 8  # above this the per-(token, k) GEMV rereads weights too often: use torch
@@ -546,6 +547,7 @@ def _shared_args(x: Tensor, shared: SharedOut | None) -> dict:
     return dict(s_ptr=down, gl_ptr=logit, GL_STRIDE=logit.stride(0), SHARED=True)
 
 
+@family("routed")
 def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
                           weights: Tensor, tiles: DecodeTiles | None = None,
                           shared: SharedOut | None = None) -> Tensor:
