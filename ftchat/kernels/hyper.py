@@ -273,21 +273,32 @@ def _read_one_launch_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, wu_ptr,
                             BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
                             BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NB: tl.constexpr,
-                            NUP: tl.constexpr, PHASE: tl.constexpr, PDL: tl.constexpr):
+                            NUP: tl.constexpr, DOWN_LOOP: tl.constexpr, PHASE: tl.constexpr,
+                            PDL: tl.constexpr):
     """HC read in one launch (PHASE 0): the G programs take part 1's NB * NS tiles and part 2's
-    NUP tiles round robin (tile t of a part to program t % G), with a grid barrier between the
-    parts; each program loads its first part-2 weights before the barrier. The tiles are
+    NUP tiles round robin (tile t of a part to program t % G, programs numbered row-major over
+    the grid), with a grid barrier between the parts; each program loads its first part-2
+    weights before the barrier. The tiles are
     _down_split_kernel's and _up_split_kernel's (the same helpers), so the output is theirs bit
-    for bit. G must not exceed `sync.co_resident`. PHASE 1 / 2 run one part alone, two launches
-    in order with the same grid (the interpreter's form: its programs run one after another,
-    and a barrier would never open)."""
+    for bit. G must not exceed `sync.co_resident`. DOWN_LOOP False: grid (NB, NS), program
+    (p, k) part 1's tile (p, k), as in _down_split_kernel (a 1-D grid's p = pid // NS, k = pid %
+    NS took 164 registers a thread instead of 125 at sm_90, a loop over tiles 208: fewer
+    programs an SM). DOWN_LOOP True: grid (G, 1), a loop over part-1 tiles. PHASE 1 / 2 run one
+    part alone, two launches in order with the same grid (the interpreter's form: its programs
+    run one after another, and a barrier would never open)."""
     NS: tl.constexpr = HC * CPS
-    pid, G = tl.program_id(0), tl.num_programs(0)
+    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+    G = tl.num_programs(0) * tl.num_programs(1)
     if PHASE != 2:
-        for t in tl.range(pid, NB * NS, G):
-            _down_tile(t // NS, t % NS, r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr,
-                       ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D, HC, L, NOUT,
-                       ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
+        if DOWN_LOOP:
+            for t in tl.range(pid, NB * NS, G):
+                _down_tile(t // NS, t % NS, r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr,
+                           part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D,
+                           HC, L, NOUT, ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
+        else:
+            _down_tile(tl.program_id(0), tl.program_id(1), r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr,
+                       wi_ptr, part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D,
+                       HC, L, NOUT, ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
     if PHASE != 1:
         w0 = _up_w0(pid, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
         pdl_wait(PDL)  # every program, before it reads R (a program may have had no tile above)
@@ -398,10 +409,11 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
                 counters(dev, 2, "hc_barrier"), rows, eps)
         kw = dict(NB=nb, NUP=nup, num_warps=max(t.down_warps, t.up_warps), **down, **up,
                   **common)
-        g = _one_launch_grid(args, kw, dev, max(nb * ns, nup))
+        loop, g = _one_launch_grid(args, kw, dev, nb, ns, nup)
+        grid = (g, 1) if loop else (nb, ns)
         # the interpreter runs programs one after another: there the parts are two launches
         for phase in (1, 2) if INTERPRET else (0,):
-            _read_one_launch_kernel[(g,)](*args, PHASE=phase, **kw)
+            _read_one_launch_kernel[grid](*args, DOWN_LOOP=loop, PHASE=phase, **kw)
     else:
         _down_split_kernel[(nb, ns)](R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, cnt, rows,
                                      eps, num_warps=t.down_warps, **down, **common)
@@ -414,17 +426,25 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
 _PROGRAMS: dict[tuple, int] = {}
 
 
-def _one_launch_grid(args: tuple, kw: dict, dev: torch.device, tiles: int) -> int:
-    """Programs of the one-launch HC read: one a tile of its larger part, at most as many as
-    the GPU holds at once (the grid barrier needs them all resident; counted per compiled
-    variant). The interpreter has no such limit."""
-    if INTERPRET:
-        return tiles
-    key = (dev, tuple(sorted((k, v) for k, v in kw.items() if k != "launch_pdl")))
+def _one_launch_grid(args: tuple, kw: dict, dev: torch.device, nb: int, ns: int,
+                     up: int) -> tuple[bool, int]:
+    """(DOWN_LOOP, G) of the one-launch HC read for nb x ns part-1 tiles and `up` part-2 tiles:
+    one part-1 tile a program (grid (nb, ns)) where the GPU holds that many programs at once
+    (the grid barrier needs them all resident), else a loop over them in as many programs as
+    it holds (grid (G, 1)). The interpreter has no such limit."""
+    if INTERPRET or _co_resident(args, kw, dev, False) >= nb * ns:
+        return False, nb * ns
+    return True, min(max(nb * ns, up), _co_resident(args, kw, dev, True))
+
+
+def _co_resident(args: tuple, kw: dict, dev: torch.device, loop: bool) -> int:
+    # sync.co_resident of the compiled variant, once per variant
+    key = (dev, loop, tuple(sorted((k, v) for k, v in kw.items() if k != "launch_pdl")))
     if key not in _PROGRAMS:
-        compiled = _read_one_launch_kernel.warmup(*args, PHASE=0, grid=(1,), **kw)
+        compiled = _read_one_launch_kernel.warmup(*args, DOWN_LOOP=loop, PHASE=0, grid=(1,),
+                                                  **kw)
         _PROGRAMS[key] = co_resident(compiled, dev)
-    return min(tiles, _PROGRAMS[key])
+    return _PROGRAMS[key]
 
 
 @family("hc")
