@@ -279,12 +279,13 @@ def _read_one_launch_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, wu_ptr,
     NUP tiles round robin (tile t of a part to program t % G, programs numbered row-major over
     the grid), with a grid barrier between the parts; each program loads its first part-2
     weights before the barrier. The tiles are _down_split_kernel's and _up_split_kernel's (the
-    same helpers), so the output is theirs bit for bit. G must not exceed `sync.co_resident`. DOWN_LOOP False: grid (NB, NS), program
-    (p, k) part 1's tile (p, k), as in _down_split_kernel (a 1-D grid's p = pid // NS, k = pid %
-    NS took 164 registers a thread instead of 125 at sm_90, a loop over tiles 208: fewer
-    programs an SM). DOWN_LOOP True: grid (G, 1), a loop over part-1 tiles. PHASE 1 / 2 run one
-    part alone, two launches in order with the same grid (the interpreter's form: its programs
-    run one after another, and a barrier would never open)."""
+    same helpers), so the output is theirs bit for bit. G must not exceed `sync.co_resident`.
+    DOWN_LOOP False: grid (NB, NS), program (p, k) part 1's tile (p, k), as in
+    _down_split_kernel (a 1-D grid's p = pid // NS, k = pid % NS took 164 registers a thread
+    instead of 125 at sm_90, a loop over tiles 208: fewer programs an SM). DOWN_LOOP True:
+    grid (G, 1), a loop over part-1 tiles. PHASE 1 / 2 run one part alone, two launches in order
+    with the same grid (the interpreter's form: its programs run one after another, and a
+    barrier would never open)."""
     NS: tl.constexpr = HC * CPS
     pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
     G = tl.num_programs(0) * tl.num_programs(1)
