@@ -211,9 +211,10 @@ def _up_w0(p, wu_ptr, D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: t
 def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
              D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
              ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_L: tl.constexpr):
+             BLOCK_L: tl.constexpr, MCACHE: tl.constexpr):
     # HC read part 2 for tile p, its first W_up step w0 (_up_w0) already loaded: see
-    # _up_split_kernel
+    # _up_split_kernel. MCACHE: the cache modifier of the m and rstd loads, ".cg" (through L2)
+    # where programs of the same launch wrote them, "" (the default) after a kernel boundary
     c = tl.arange(0, HCP * BLOCK_D)  # tile row c: stream c // BLOCK_D, column p*BLOCK_D + c % ..
     stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
     c_ok = (stream < HC) & (j < D)
@@ -225,7 +226,7 @@ def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
             acc = tl.zeros([HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
             for lb in tl.static_range(0, L, BLOCK_L):
                 lo = lb + ll
-                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0, cache_modifier=".cg")
+                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0, cache_modifier=MCACHE)
                 if lb == 0:
                     w = w0
                 else:
@@ -235,7 +236,7 @@ def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
             mix = _rnd(_sigmoid(_rnd(tl.sum(acc, axis=1), BF16)), BF16)  # [HCP*BLOCK_D]
             v = _updated(r_ptr, y_ptr, s_ptr, bi, stream, j, c_ok, D, HC, ADD, BF16)  # R'
             rstd = tl.load(rstd_ptr + bi * HC + stream, mask=c_ok, other=0.0,
-                           cache_modifier=".cg")
+                           cache_modifier=MCACHE)
             prod = _rnd(mix * _normed(v, rstd, nw_ptr, stream, j, c_ok, D, BF16), BF16)
             xs = tl.sum(tl.reshape(prod, (HCP, BLOCK_D)), axis=0)  # [BLOCK_D] over streams
             tl.store(x_ptr + bi * D + xj,
@@ -262,7 +263,7 @@ def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr
     w0 = _up_w0(p, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
     pdl_wait(PDL)
     _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
-             D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L)
+             D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L, "")
 
 
 @_jit
@@ -307,11 +308,11 @@ def _read_one_launch_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, wu_ptr,
         pdl_release(PDL)  # not before the barrier: the next kernel could take our slots
         if pid < NUP:
             _up_tile(pid, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
-                     rout_ptr, rows, D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L)
+                     rout_ptr, rows, D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L, ".cg")
         for t in tl.range(pid + G, NUP, G):
             _up_tile(t, _up_w0(t, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L), r_ptr, y_ptr, s_ptr,
                      nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows, D, HC, HCP, L, ADD,
-                     BF16, RB, BLOCK_D, BLOCK_L)
+                     BF16, RB, BLOCK_D, BLOCK_L, ".cg")
     else:
         pdl_wait(PDL)
         pdl_release(PDL)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import gdc_launch_dependents, gdc_wait, jit as _jit, tl
+from ftchat.kernels import gdc_launch_dependents, gdc_wait, jit as _jit, tl, triton
 
 
 @_jit
@@ -81,8 +81,6 @@ def co_resident(compiled, device: torch.device) -> int:
     """How many programs of a compiled Triton kernel fit on the GPU at once: the SMs times what
     an SM holds by registers (allocated per warp in units of 256), threads, shared memory and
     its 32-block limit. `grid_barrier` needs the launch within this."""
-    from ftchat.kernels import triton
-
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     p = torch.cuda.get_device_properties(index)
