@@ -439,8 +439,9 @@ def _one_launch_grid(args: tuple, kw: dict, dev: torch.device, nb: int, ns: int,
 
 
 def _co_resident(args: tuple, kw: dict, dev: torch.device, loop: bool) -> int:
-    # sync.co_resident of the compiled variant, once per variant
-    key = (dev, loop, tuple(sorted((k, v) for k, v in kw.items() if k != "launch_pdl")))
+    # sync.co_resident of the compiled variant, once per variant (rows: Triton specializes
+    # an int argument equal to 1 or divisible by 16, which can change the registers)
+    key = (dev, loop, args[-2], tuple(sorted((k, v) for k, v in kw.items() if k != "launch_pdl")))
     if key not in _PROGRAMS:
         compiled = _read_one_launch_kernel.warmup(*args, DOWN_LOOP=loop, PHASE=0, grid=(1,),
                                                   **kw)

@@ -15,10 +15,13 @@ the chain holds. What comes before the wait may only read data no kernel writes 
 
 from __future__ import annotations
 
+import ctypes
+import functools
+
 import torch
 from torch import Tensor
 
-from ftchat.kernels import gdc_launch_dependents, gdc_wait, jit as _jit, tl, triton
+from ftchat.kernels import gdc_launch_dependents, gdc_wait, jit as _jit, tl
 
 
 @_jit
@@ -78,19 +81,23 @@ def grid_barrier(cnt, n):
 
 
 def co_resident(compiled, device: torch.device) -> int:
-    """How many programs of a compiled Triton kernel fit on the GPU at once: the SMs times what
-    an SM holds by registers (allocated per warp in units of 256), threads, shared memory and
-    its 32-block limit. `grid_barrier` needs the launch within this."""
+    """How many programs of a compiled Triton kernel fit on the GPU at once: the SMs times the
+    driver's occupancy of one SM (cuOccupancyMaxActiveBlocksPerMultiprocessor, which counts
+    registers, threads, shared memory with the block's reserved part, and the block limit; a
+    sum of our own missed the reserved shared memory). `grid_barrier` needs the launch within
+    this, with the GPU to itself (MPS or a partition gives a process fewer SMs)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
-    p = torch.cuda.get_device_properties(index)
-    # registers a block may hold, which on sm_90 is also what an SM has (65,536)
-    regs = triton.runtime.driver.active.utils.get_device_properties(index)["max_num_regs"]
-    compiled._init_handles()  # loads the binary (Triton does it lazily): n_regs is known after
-    warps = compiled.metadata.num_warps
-    regs_per_warp = -(-compiled.n_regs * 32 // 256) * 256
-    by_regs = regs // max(1, warps * regs_per_warp)
-    by_threads = p.max_threads_per_multi_processor // (32 * warps)
-    shared = compiled.metadata.shared
-    by_shared = p.shared_memory_per_multiprocessor // shared if shared else 32
-    return p.multi_processor_count * min(by_regs, by_threads, by_shared, 32)
+    compiled._init_handles()  # loads the binary (Triton does it lazily): function is set after
+    per_sm = ctypes.c_int(0)
+    err = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
+        ctypes.byref(per_sm), ctypes.c_void_p(compiled.function),
+        ctypes.c_int(32 * compiled.metadata.num_warps), ctypes.c_size_t(compiled.metadata.shared))
+    if err != 0:
+        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: CUresult {err}")
+    return torch.cuda.get_device_properties(index).multi_processor_count * per_sm.value
+
+
+@functools.cache
+def _libcuda() -> ctypes.CDLL:
+    return ctypes.CDLL("libcuda.so.1")
