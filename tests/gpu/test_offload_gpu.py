@@ -153,9 +153,19 @@ def test_eviction_of_a_slot_whose_prefetch_copy_is_in_flight(folders):
 
     def setup(ex, join: bool):
         ex.predictor = wrong_guesses
-        # ~50 ms a prefetch copy: the race must show even when other processes share the GPU
-        # (20M cycles did not under five verify processes and MPS, session 18)
+        # ~50 ms a prefetch copy: it lands after the next layer's demand copy into the slot it
+        # targets, however loaded the GPU. The compute stream waits for every prefetch copy at
+        # the end of each step (both arms), so a late copy corrupts a slot the next step reads:
+        # without it the delayed copies pile up on their stream (41 steps x layers x 50 ms)
+        # and most land after the last step, which hid the race in session 19 (two verify
+        # processes beside it, MPS); 20M cycles hid it in session 18 (five)
         _sleepy(ex, "prefetch", 100_000_000)
+        end_step = ex.end_step
+
+        def end_step_joined(tokens):
+            end_step(tokens)
+            ex.streams.wait("compute", ex.streams.record("prefetch"))
+        ex.end_step = end_step_joined
         if not join:
             ex._join = lambda layer: None
 
