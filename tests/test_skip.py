@@ -44,6 +44,30 @@ def test_a_skipped_family_returns_the_first_output_of_the_same_shapes():
     assert len(calls) == 4
 
 
+def test_tensors_inside_a_tuple_count_by_shape():
+    # SharedOut (a NamedTuple of tensors) is new each step; a tuple hashes by its tensors' ids,
+    # so as a plain value it would never match the kept call
+    from ftchat.model.expert_backend import SharedOut
+
+    calls = []
+
+    @family("routed")
+    def kernel(x: torch.Tensor, shared: SharedOut | None = None) -> torch.Tensor:
+        calls.append(shared is not None)
+        return x * 2
+
+    def fresh(n=3):
+        return SharedOut(torch.ones(n, 2), torch.ones(n, 1))
+
+    with SKIP.set(frozenset({"routed"})):
+        first = kernel(torch.ones(3), shared=fresh())
+        again = kernel(torch.ones(3), shared=fresh())  # new tensors, same shapes: kept
+        other = kernel(torch.ones(3), shared=fresh(4))  # other shapes inside: runs
+        plain = kernel(torch.ones(3), shared=None)  # no tuple: runs
+    assert again is first and other is not first and plain is not first
+    assert calls == [True, True, False]
+
+
 def test_control_another_family_is_not_skipped():
     kernel, calls = _counting("routed")
     with SKIP.set(frozenset({"gemv"})):

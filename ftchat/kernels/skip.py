@@ -32,10 +32,15 @@ _KEPT: dict[tuple, object] = {}  # (wrapper, argument signature) -> the output r
 
 
 def _signature(v) -> object:
-    # what makes two calls the same for skipping: tensors by shape, dtype and device, the rest
-    # by value where hashable (tile choices, flags), by type otherwise (weight dicts)
+    # what makes two calls the same for skipping: tensors by shape, dtype and device, tuples
+    # (SharedOut among them) item by item, the rest by value where hashable (tile choices,
+    # flags), by type otherwise (weight dicts). A tuple of tensors hashes by the tensors' ids:
+    # taken as a value, every step's fresh tensors made a new key (session 20's skip=routed
+    # arm found no kept output inside its graph capture)
     if isinstance(v, torch.Tensor):
         return ("tensor", tuple(v.shape), v.dtype, v.device)
+    if isinstance(v, (tuple, list)):
+        return (type(v).__name__, *map(_signature, v))
     try:
         hash(v)
     except TypeError:

@@ -10,7 +10,7 @@ from ftchat.commands.bench import bench_context, parse_arms
 from ftchat.engine import load_model
 from ftchat.errors import FtchatError
 from ftchat.kernels import hyper
-from ftchat.kernels.skip import SKIP
+from ftchat.kernels.skip import FAMILIES, SKIP
 from ftchat.profile import kernels_per_call
 from ftchat.settings import Settings
 
@@ -59,3 +59,17 @@ def test_bench_skip_arms_run_fewer_kernels(tiny_bf16):
     out = bench_context(m, arms, 16, base, steps=2, rounds=1)
     k = {name: out[name]["kernels_per_step"] for name in arms}
     assert k["resident:skip=hc+gemv"] < k["resident:skip=hc"] < k["resident"], k
+
+
+def test_every_family_skip_arm_is_captured(tiny_nvfp4):
+    # each arm's graph capture finds kept outputs for every call (session 20: skip=routed and
+    # skip=qsa made a new key each step from the tuples of fresh tensors they take, so the
+    # capture's call was refused); the routed experts run in any MoE decode, so their arm
+    # launches fewer kernels
+    m = load_model(tiny_nvfp4, "cuda", torch.bfloat16)
+    base = Settings(device="cuda")
+    arms = parse_arms("resident;" + ";".join(f"resident:skip={f}" for f in FAMILIES), base)
+    out = bench_context(m, arms, 16, base, steps=2, rounds=1)
+    k = {name: out[name]["kernels_per_step"] for name in arms}
+    assert all(k[f"resident:skip={f}"] <= k["resident"] for f in FAMILIES), k
+    assert k["resident:skip=routed"] < k["resident"], k
