@@ -44,5 +44,7 @@ def test_control_without_the_unregistration_the_entry_stays(monkeypatch):
     monkeypatch.setattr(store.weakref, "finalize", lambda *a, **k: types.SimpleNamespace())
     base = _pin_a_view_and_drop_it()
     assert base.is_pinned()  # stale: the view is gone, its registration is not
-    assert _register(base) != 0  # refused: already registered
-    torch.cuda.cudart().cudaHostUnregister(base.data_ptr())
+    # no refused cudaHostRegister here to show it: the runtime keeps that error as its last
+    # one, and the next kernel launch anywhere in the process raises it (session 20: the
+    # first test of the next file failed with "already mapped")
+    assert int(torch.cuda.cudart().cudaHostUnregister(base.data_ptr())) == 0  # entry dropped
