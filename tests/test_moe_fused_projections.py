@@ -5,6 +5,8 @@ prefill) gives bit-identical results. CPU only, no Triton needed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ftchat.model import layers
@@ -150,3 +152,35 @@ def test_corrupted_fused_weight_changes_the_output():
     w[layers.SHARED_FUSED][2 * a.moe_intermediate_size].add_(1.0)  # the gate-logit row
     after = moe_block(0, x, w, experts, a)
     assert not torch.equal(before, after)
+
+
+def test_resident_slot_view_reads_the_layers_rows():
+    # kernels.SLOT_VIEW: the bank handed to the routed kernel is a view at row layer * E, the
+    # slots the router's ids; off: the whole bank and ids + layer * E. Same rows, same output
+    from ftchat.kernels import slot_view_kernels
+
+    a = _args()
+    E, L = a.num_experts, 3
+    layout = RowLayout("nvfp4", a.hidden_size, a.moe_intermediate_size)
+    rows = random_rows(layout, L * E, torch.Generator().manual_seed(11))
+    experts = ResidentExperts(rows, layout, E)
+    w = _mlp(a, seed=12)
+    x = torch.randn(2, a.hidden_size, generator=torch.Generator().manual_seed(13))
+    ids, weights = route_ref(x, w["gate.weight"], a)
+    for layer in range(L):
+        with slot_view_kernels(True):
+            p = experts.begin(layer, x, ids)
+            viewed = experts.finish(p, x, weights)
+        assert p.bank.data_ptr() == rows.data_ptr() + layer * E * rows.stride(0)
+        assert p.bank.shape == (E, rows.shape[1]) and torch.equal(p.slots, ids)
+        with slot_view_kernels(False):
+            q = experts.begin(layer, x, ids)
+            offset = experts.finish(q, x, weights)
+        assert q.bank.data_ptr() == rows.data_ptr() and torch.equal(q.slots, ids + layer * E)
+        assert torch.equal(viewed, offset), layer
+    # negative control: the view of another layer's rows gives another output
+    with slot_view_kernels(True):
+        p = experts.begin(2, x, ids)
+        wrong = experts.finish(dataclasses.replace(p, bank=rows[E:2 * E]), x, weights)
+        right = experts.finish(p, x, weights)
+    assert not torch.equal(wrong, right)

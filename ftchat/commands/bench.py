@@ -7,6 +7,9 @@ kernel's before/after); `pdl=0` launches the fused kernels without programmatic 
 `rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
 `onerow=0` gives the routed experts' row-loop kernel 2 h rows a program at bs 1 (as at bs 2);
 `hc1=1` runs the HC read as one launch (a grid barrier between its parts; off by default);
+`fold=0` gives the shared expert's down GEMV its own launch again (by default it runs inside the
+routed experts' kernel 1); `slotview=0` maps resident ids to slots with two torch kernels a
+layer again (by default the kernel reads a view of the layer's rows);
 `resident:skip=hc` (or `skip=hc+gemv`; ftchat/kernels/skip.py) leaves those kernel families out
 of the step: beside `resident`, the difference is their marginal cost (its tokens are not the
 model's);
@@ -31,7 +34,8 @@ from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
 from ftchat.kernels import (fused_kernels, hc_one_launch_kernels, one_row_kernels, pdl_kernels,
-                            rowloop_kernels, use_fused, use_one_row)
+                            rowloop_kernels, shared_fold_kernels, slot_view_kernels, use_fused,
+                            use_one_row)
 from ftchat.kernels.skip import SKIP, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.offload.backend import StagedExperts
@@ -52,6 +56,8 @@ class ArmSpec:
     one_row: bool | None = None  # the routed experts' one-h-row bs-1 tile (None: the default)
     skip: frozenset[str] = frozenset()  # kernel families left out (a timing diagnostic)
     hc_one_launch: bool = False  # the HC read as one launch with a grid barrier
+    shared_fold: bool = True  # the shared down GEMV inside the routed kernel 1
+    slot_view: bool = True  # resident ids are slots of a view of the layer's rows
 
 
 @contextmanager
@@ -60,7 +66,8 @@ def arm_kernels(spec: ArmSpec) -> Iterator[None]:
     one_row = use_one_row() if spec.one_row is None else spec.one_row
     with (fused_kernels(spec.fused), pdl_kernels(spec.pdl), rowloop_kernels(spec.rowloop),
           one_row_kernels(one_row), SKIP.set(spec.skip),
-          hc_one_launch_kernels(spec.hc_one_launch)):
+          hc_one_launch_kernels(spec.hc_one_launch), shared_fold_kernels(spec.shared_fold),
+          slot_view_kernels(spec.slot_view)):
         yield
 
 
@@ -76,7 +83,7 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         if not eq or not v.strip():
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
-    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop")}
+    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop", "fold", "slotview")}
     one_row = flags.pop("onerow", None)
     hc1 = flags.pop("hc1", "0")
     skip = flags.pop("skip", None)
@@ -88,7 +95,7 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
             raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
     if head == "resident" and flags:
         raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl=, rowloop=, "
-                          "onerow=, hc1= (0 or 1) and skip=")
+                          "fold=, slotview=, onerow=, hc1= (0 or 1) and skip=")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
@@ -100,7 +107,8 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
     return ArmSpec(s, *(switches[k] == "1" for k in ("fused", "pdl", "rowloop")),
                    one_row=None if one_row is None else one_row == "1", skip=skipped,
-                   hc_one_launch=hc1 == "1")
+                   hc_one_launch=hc1 == "1", shared_fold=switches["fold"] == "1",
+                   slot_view=switches["slotview"] == "1")
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:

@@ -67,9 +67,17 @@ ONE_ROW = Switch(True)
 # the HC read as one launch with a grid barrier between its parts (hyper._read_one_launch_kernel)
 # instead of two kernels; off until measured at 48 layers (bench's hc1=1 arms)
 HC_ONE_LAUNCH = Switch(False)
+# the shared expert's down GEMV as extra programs of the routed experts' kernel 1 (one launch a
+# layer fewer); off: its own launch before it (expert_kernels.routed_experts_triton)
+SHARED_FOLD = Switch(True)
+# resident experts address a layer's rows through a view of the bank at the layer's first row,
+# so the router's ids are the slots; off: slots = (ids + layer * E).to(int32), two torch
+# kernels a layer (offload.backend.ResidentExperts)
+SLOT_VIEW = Switch(True)
 fused_kernels, pdl_kernels = FUSED.set, PDL.set
 rowloop_kernels, one_row_kernels = ROWLOOP.set, ONE_ROW.set
 hc_one_launch_kernels = HC_ONE_LAUNCH.set
+shared_fold_kernels, slot_view_kernels = SHARED_FOLD.set, SLOT_VIEW.set
 
 
 def use_fused(t) -> bool:

@@ -13,7 +13,7 @@ from torch import Tensor
 
 from ftchat.kernels import gemv, hyper, router, use_fused
 from ftchat.model.config import ModelArgs
-from ftchat.model.expert_backend import ExpertBackend, SharedOut
+from ftchat.model.expert_backend import ExpertBackend, SharedIn, SharedOut
 from ftchat.model.embedding import EMBED, embed
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import (ROUTER, SHARED_FUSED, fuse_moe_layers, rms_norm,
@@ -156,9 +156,9 @@ def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a:
                      ) -> Tensor:
     """CUDA decode of the MoE block, xt [N, D] -> [N, D]: one GEMV on [gate | up | gate logit |
     router] (the router's rows when fused at load, else its own GEMV), the router kernel, the
-    backend's copies begin; then the shared down GEMV of silu(g) * u (one gated launch at bs
-    <= 2, `shared_expert_parts`) while they fly; the backend's routed kernel adds the gate and
-    the sum (`finish(..., shared)`). It rounds where torch does (bf16 within ~an ulp); the
+    backend's copies begin; the backend's routed kernel then runs the shared down GEMV of
+    silu(g) * u too (SharedIn: inside its kernel 1 at bs <= 2, else its own launch first) and
+    adds the gate and the sum. It rounds where torch does (bf16 within ~an ulp); the
     router logits are the Triton GEMV's, so an expert whose logit ties the k-th within an ulp
     may be chosen otherwise than on the torch path (the identity tests compare arms of one
     path)."""
@@ -173,24 +173,17 @@ def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a:
         ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok,
                                                  a.norm_topk_prob)
     pending = experts.begin(layer, xt, ids)
-    return experts.finish(pending, xt, weights, shared_expert_parts(xt, w, proj))
+    return experts.finish(pending, xt, weights, SharedIn(proj, w["shared_expert.down_proj.weight"]))
 
 
 def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None) -> SharedOut:
-    """The shared expert before its gate, for CUDA decode: the fused GEMV's output proj [N, 2I + 1
-    (+ E)] (computed here when not given), then the down GEMV of h = silu(g) * u. Where the GEMV
-    kernel applies (`gemv.dispatches`: bs <= 2) one launch computes h from proj's columns itself
-    (`gemv.linear_gated_triton`, bit-identical to the pair below); else silu(g) * u in one kernel
-    (`shared_act_triton`) and `gemv.linear` (F.linear).
+    """The shared expert before its gate, for CUDA decode, in launches of its own: the fused
+    GEMV's output proj [N, 2I + 1 (+ E)] (computed here when not given), then the down GEMV of
+    h = silu(g) * u (`expert_kernels.shared_down`). The decode step hands the routed kernel
+    SharedIn instead, which runs the down GEMV inside its kernel 1 where it can.
     x [N, D] -> down [N, D], gate logit [N, 1] (a column view of proj)."""
-    down_w = w["shared_expert.down_proj.weight"]  # [D, I]
-    I = down_w.shape[1]
     proj = gemv.linear(x, w[SHARED_FUSED]) if proj is None else proj
-    if gemv.dispatches(proj[:, :I], down_w):
-        down = gemv.linear_gated_triton(proj, down_w)  # [N, D]
-    else:
-        down = gemv.linear(ek.shared_act_triton(proj, I), down_w)
-    return SharedOut(down, proj[:, 2 * I:2 * I + 1])
+    return ek.shared_down(SharedIn(proj, w["shared_expert.down_proj.weight"]))
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,

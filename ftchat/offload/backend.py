@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ftchat.model.expert_backend import ExpertBackend, Pending, SharedOut
+from ftchat.kernels import SLOT_VIEW
+from ftchat.model.expert_backend import Pending, SharedIn, SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
@@ -69,16 +70,24 @@ class _NoCache:
 
 
 class ResidentExperts(_NoCache):
-    """Every expert resident: rows [L*E, R]; the slot of (layer, e) is layer*E + e."""
+    """Every expert resident: rows [L*E, R]; the slot of (layer, e) is layer*E + e.
+
+    `begin` hands the kernel the layer's E rows as the bank (a view starting at row layer*E),
+    so the router's ids are the slots as they are: no kernel runs between the router and the
+    routed experts (`kernels.SLOT_VIEW`; off: the whole bank and slots = ids + layer*E, two
+    torch kernels a layer)."""
 
     def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int):
         self.rows, self.layout, self.num_experts = rows, layout, num_experts
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
-        return Pending(layer, ids, (ids + layer * self.num_experts).to(torch.int32), self.rows)
+        E = self.num_experts
+        if SLOT_VIEW.value:
+            return Pending(layer, ids, ids, self.rows[layer * E:(layer + 1) * E])
+        return Pending(layer, ids, (ids + layer * E).to(torch.int32), self.rows)
 
     def finish(self, pending: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | None = None) -> Tensor:
+               shared: SharedOut | SharedIn | None = None) -> Tensor:
         p = pending
         return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
 
@@ -219,7 +228,7 @@ class OffloadExperts:
         return Pending(layer, ids, plan.slots, self.bank, demand_done)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | None = None) -> Tensor:
+               shared: SharedOut | SharedIn | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
         self.hooks.before_kernel(self.view, p)
         out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
@@ -409,7 +418,7 @@ class StagedExperts(_NoCache):
         copy_rows(self.bank, self.staging, slot_src, slot_dst, n_slot, self.programs)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | None = None) -> Tensor:
+               shared: SharedOut | SharedIn | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
         out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
         nxt = p.layer + 1

@@ -46,14 +46,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.model.expert_backend import SharedOut
+from ftchat.model.expert_backend import SharedIn, SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
-from ftchat.kernels import (HAS_TRITON, jit as _jit, pdl_launch, tl, triton,  # noqa: F401
-                            use_one_row, use_rowloop)
+from ftchat.kernels import (HAS_TRITON, SHARED_FOLD, gemv, jit as _jit, pdl_launch,  # noqa: F401
+                            tl, triton, use_one_row, use_rowloop)
 from ftchat.kernels.fp4 import (  # noqa: F401 (importable from here too)
     _E2M1_E4M3_PTX, _PTX, _e2m1_pair, _e2m1_word)
+from ftchat.kernels.gemv import _chunk_dot
+from ftchat.kernels.hyper import _rnd, _rows_block
 from ftchat.kernels.nvfp4_gemv import DEC_BITS, _codes, _group_sum, _row_chunk, _x_groups
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
@@ -426,14 +428,64 @@ def _gate_up_v4_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, R
                        D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, W_OFF: tl.constexpr,
                        S_OFF: tl.constexpr, G_OFF: tl.constexpr, HB: tl.constexpr,
                        BLOCK_K: tl.constexpr, BF16: tl.constexpr, DEC: tl.constexpr,
-                       PDL: tl.constexpr):
+                       gu_ptr, sw_ptr, s_ptr, rows, GU_SR: tl.constexpr, SI: tl.constexpr,
+                       SBN: tl.constexpr, SBK: tl.constexpr, SRB: tl.constexpr,
+                       SHARED_DOWN: tl.constexpr, PDL: tl.constexpr):
+    # grid (T * K (+ NS), I / HB); x [T, D] -> h [T, K, I] fp32, word-major (as v2).
+    # SHARED_DOWN: the NS extra columns of programs (tk >= T * K) compute the shared expert's
+    # down output s [T, D] = F.linear(silu(g) * u, sw) from gu (`_shared_down_tile`)
     pdl_release(PDL)
+    tk = tl.program_id(0)
+    routed = True
+    if SHARED_DOWN:  # (a constexpr: without it no program of the shared tile is compiled)
+        if tk >= rows * K:
+            routed = False
+            q = (tk - rows * K) * tl.num_programs(1) + tl.program_id(1)
+            _shared_down_tile(q, gu_ptr, sw_ptr, s_ptr, rows, D, SI, GU_SR, SBN, SBK, SRB,
+                              BF16, PDL)
+    if routed:
+        _gate_up_v4_tile(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8,
+                         ROW_F32, tk, D, I, K, W_OFF, S_OFF, G_OFF, HB, BLOCK_K, BF16, DEC, PDL)
+
+
+@_jit
+def _shared_down_tile(q, gu_ptr, sw_ptr, s_ptr, rows, D: tl.constexpr, SI: tl.constexpr,
+                      GU_SR: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      RB: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+    # rows q * BLOCK_N + [0, BLOCK_N) of s [rows, D] = F.linear(h, sw), h = silu(g) * u of g =
+    # gu[:, :SI], u = gu[:, SI:2SI] (row stride GU_SR), sw [D, SI]: the SPLIT-1 program p = q of
+    # gemv._gemv_kernel (GATED) with the same tiles, its code step by step, so s holds
+    # gemv.linear_gated_triton's bits. The weight tile loads before the PDL wait (sw is a
+    # weight); programs past D store nothing
+    n = q * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    n_ok = n < D
+    kk = tl.arange(0, BLOCK_K)
+    nn = n[:, None]
+    bb = tl.arange(0, RB)[None, :]
+    k = kk
+    w = tl.load(sw_ptr + nn * SI + k[None, :], mask=n_ok[:, None] & (k < SI)[None, :], other=0.0)
+    pdl_wait(PDL)
+    acc = _chunk_dot(w, gu_ptr, k, SI, rows, bb, tl.zeros([BLOCK_N, RB], dtype=tl.float32),
+                     GU_SR, RB, True, SI, BF16)
+    for kb in range(BLOCK_K, SI, BLOCK_K):
+        k = kb + kk
+        w = tl.load(sw_ptr + nn * SI + k[None, :], mask=n_ok[:, None] & (k < SI)[None, :],
+                    other=0.0)
+        acc = _chunk_dot(w, gu_ptr, k, SI, rows, bb, acc, GU_SR, RB, True, SI, BF16)
+    tl.store(s_ptr + bb * D + nn, _rnd(acc, BF16).to(s_ptr.dtype.element_ty),
+             mask=(bb < rows) & (nn < D))
+
+
+@_jit
+def _gate_up_v4_tile(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8, ROW_F32,
+                     tk, D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, W_OFF: tl.constexpr,
+                     S_OFF: tl.constexpr, G_OFF: tl.constexpr, HB: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BF16: tl.constexpr, DEC: tl.constexpr,
+                     PDL: tl.constexpr):
     pdl_wait(PDL)  # the slot ids come from the kernel before: no weight address is known earlier
-    # grid (T * K, I / HB); x [T, D] -> h [T, K, I] fp32, word-major (as v2). Rows r < HB of the
-    # program are gate rows h0 + r, rows HB + r the up rows I + h0 + r
+    # program (tk, h0 / HB): rows r < HB are gate rows h0 + r, rows HB + r the up rows I + h0 + r
     BG: tl.constexpr = BLOCK_K // 16
     CPP: tl.constexpr = D // BLOCK_K
-    tk = tl.program_id(0)
     h0 = tl.program_id(1) * HB
     slot = tl.load(slots_ptr + tk).to(tl.int64)
     gg = tl.arange(0, BG)
@@ -547,10 +599,44 @@ def _shared_args(x: Tensor, shared: SharedOut | None) -> dict:
     return dict(s_ptr=down, gl_ptr=logit, GL_STRIDE=logit.stride(0), SHARED=True)
 
 
+def shared_down(shared: SharedIn) -> SharedOut:
+    """The shared expert's down output for its own launch: where the GEMV kernel applies
+    (`gemv.dispatches`: bs <= 2) one launch computes h = silu(g) * u from proj's columns itself
+    (`gemv.linear_gated_triton`, bit-identical to the pair below); else silu(g) * u in one kernel
+    (`shared_act_triton`) and `gemv.linear` (F.linear)."""
+    proj, down_w = shared
+    I = down_w.shape[1]
+    if gemv.dispatches(proj[:, :I], down_w):
+        down = gemv.linear_gated_triton(proj, down_w)  # [T, D]
+    elif proj.is_cuda and HAS_TRITON:
+        down = gemv.linear(shared_act_triton(proj, I), down_w)
+    else:  # the torch expressions (CPU)
+        down = F.linear(F.silu(proj[:, :I]) * proj[:, I:2 * I], down_w)
+    return SharedOut(down, shared.gate_logit)
+
+
+def _fold_tiles(x: Tensor, shared: SharedIn, tiles: DecodeTiles) -> tuple[int, int] | None:
+    # (BLOCK_N, BLOCK_K) of the shared down GEMV as programs of the v4 kernel 1, or None where
+    # it keeps its own launch: the fold off, not v4, or not the shapes where `shared_down` takes
+    # the gated GEMV kernel (`gemv.dispatches` on CUDA: <= 2 rows) in one-warp SPLIT-1 programs,
+    # so that the fold gives `gemv.linear_gated_triton`'s bits
+    proj, down_w = shared
+    D, I = down_w.shape
+    if not (SHARED_FOLD.value and tiles.variant == "v4" and tiles.gate_up_warps == 1
+            and down_w.dtype == proj.dtype == x.dtype and D == x.shape[1]
+            and x.dtype in (torch.bfloat16, torch.float32)
+            and down_w.is_contiguous() and proj.stride(-1) == 1 and proj.shape[1] >= 2 * I
+            and 1 <= proj.shape[0] <= gemv.DISPATCH_MAX_ROWS):
+        return None
+    t = gemv.default_tiles(D, I, x.shape[0])
+    bk, split = gemv.launch_plan(I, t)
+    return (t.block_n, bk) if split == 1 and t.warps == 1 else None
+
+
 @family("routed")
 def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor,
                           weights: Tensor, tiles: DecodeTiles | None = None,
-                          shared: SharedOut | None = None) -> Tensor:
+                          shared: SharedOut | SharedIn | None = None) -> Tensor:
     """sum_k weights[t, k] * expert(slot slots[t, k])(x[t]) for decode; x [T, D] -> [T, D].
 
     Args:
@@ -561,6 +647,10 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
         tiles: tile sizes and kernel set; None: `default_tiles(layout)`.
         shared: the shared expert's down output [T, D] and gate logit [T, 1] (x's dtype): the
             result is then `add_shared(routed, shared)`, in the same kernel as the routed sum.
+            SharedIn (its fused GEMV's output and down weight): the same result, the down GEMV
+            run by extra programs of kernel 1 where `_fold_tiles` allows (v4, the fold on,
+            the GEMV kernel's shape at <= 2 rows: `gemv.linear_gated_triton`'s bits), else by
+            `shared_down` first.
     Tolerance against `routed_experts_decode_ref` (its mirror): fp32 summation order only.
     """
     T, D = x.shape
@@ -583,6 +673,14 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     n1, n2, n3 = tiles.gate_up_rows, tiles.down_rows, tiles.combine_rows
     gate_up = _gemv_args(layout, "gate_up", D, tiles.gate_up_k)
     down = _gemv_args(layout, "down", I, tiles.down_k)
+    fold = None  # (SharedIn, the shared down GEMV's tiles) when kernel 1 runs that GEMV
+    if isinstance(shared, SharedIn):
+        tile = _fold_tiles(x, shared, tiles)
+        if tile is None:
+            shared = shared_down(shared)  # its own launch, before kernel 1
+        else:
+            fold = (shared, tile)
+            shared = SharedOut(torch.empty_like(x), shared.gate_logit)  # kernel 1 writes it
     comb = dict(**_shared_args(x, shared), BF16=x.dtype == torch.bfloat16)
     if tiles.variant == "v1":
         _gate_up_kernel[(T * K, triton.cdiv(I, n1))](
@@ -598,11 +696,20 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     asm = tiles.variant == "v3" and not INTERPRET  # v3: v2 with the inline-PTX decode
     if tiles.variant == "v4":
         assert v4_applies(layout, tiles), (layout, tiles)
-        _gate_up_v4_kernel[(T * K, I // n1)](
+        extra, fargs = 0, dict(gu_ptr=x, sw_ptr=x, s_ptr=x, rows=T, GU_SR=0, SI=1, SBN=1,
+                               SBK=1, SRB=1, SHARED_DOWN=False)
+        if fold is not None:  # the shared down GEMV's programs ride in kernel 1's grid
+            (gu, sw), (bn, bk) = fold
+            SI = sw.shape[1]
+            extra = triton.cdiv(triton.cdiv(D, bn), I // n1)
+            fargs = dict(gu_ptr=gu, sw_ptr=sw, s_ptr=shared.down, rows=T,
+                         GU_SR=gu.stride(0) if T > 1 else SI, SI=SI, SBN=bn, SBK=bk,
+                         SRB=_rows_block(T), SHARED_DOWN=True)
+        _gate_up_v4_kernel[(T * K + extra, I // n1)](
             x, *banks, slots, h, *strides, D=D, I=I, K=K, W_OFF=gate_up["W_OFF"],
             S_OFF=gate_up["S_OFF"], G_OFF=gate_up["G_OFF"], HB=n1, BLOCK_K=tiles.gate_up_k,
-            BF16=x.dtype == torch.bfloat16, DEC=DEC_BITS, num_warps=tiles.gate_up_warps,
-            **pdl_launch(x))
+            BF16=x.dtype == torch.bfloat16, DEC=DEC_BITS, **fargs,
+            num_warps=tiles.gate_up_warps, **pdl_launch(x))
     else:
         _gate_up_v2_kernel[(T * K, triton.cdiv(I, n1))](
             x, *banks, slots, h, *strides, D=D, I=I, K=K, BLOCK_N=n1,
@@ -658,14 +765,17 @@ def routed_experts_decode_ref(x: Tensor, bank: Tensor, layout: RowLayout, slots:
 
 
 def routed_experts_any(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor, ids: Tensor,
-                       weights: Tensor, shared: SharedOut | None = None) -> Tensor:
+                       weights: Tensor, shared: SharedOut | SharedIn | None = None) -> Tensor:
     """Routed experts from the slot bank: the Triton kernels on CUDA for decode-sized batches,
     else the torch path (experts.routed_experts). x [T, D]; slots, ids, weights [T, K].
-    With `shared` (the shared expert's down output and gate logit) the result includes the
-    gated shared expert: folded into the routed kernels on CUDA, else `add_shared`."""
+    With `shared` (the shared expert's down output and gate logit, or SharedIn: its inputs) the
+    result includes the gated shared expert: folded into the routed kernels on CUDA, else
+    `add_shared`."""
     if x.is_cuda and HAS_TRITON and x.shape[0] <= DECODE_MAX_TOKENS:
         if shared is None or x.dtype in (torch.bfloat16, torch.float32):
             return routed_experts_triton(x, bank, layout, slots, weights, shared=shared)
+        shared = shared_down(shared) if isinstance(shared, SharedIn) else shared
         return add_shared(routed_experts_triton(x, bank, layout, slots, weights), shared)
+    shared = shared_down(shared) if isinstance(shared, SharedIn) else shared
     out = routed_experts(x, bank, layout, slots, ids, weights)
     return out if shared is None else add_shared(out, shared)

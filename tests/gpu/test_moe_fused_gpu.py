@@ -49,9 +49,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import fused_kernels, gemv, router, sync
+from ftchat.kernels import fused_kernels, gemv, router, shared_fold_kernels, sync
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
+from ftchat.model.expert_backend import SharedIn, SharedOut
 from ftchat.model.rows import RowLayout
 from ftchat.offload import expert_kernels as ek
 from ftchat.offload.backend import ResidentExperts
@@ -465,6 +466,81 @@ def test_graph_replay_equals_eager(variant):
     with torch.cuda.graph(graph):
         out = step()
     for seed in (72, 73):
+        gen = torch.Generator().manual_seed(seed)
+        c.x.copy_(torch.randn(c.x.shape, generator=gen).bfloat16())
+        c.slots.copy_(c.slots.flip(1))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
+# ===== the shared down GEMV inside kernel 1 (SharedIn) =====
+
+
+@pytest.mark.parametrize("geo", ["real", "small"])
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_fold_equals_its_own_launch(geo, rows, dtype):
+    # SharedIn through v4: kernel 1's extra programs run the shared down GEMV with the GEMV
+    # kernel's tiles and code, so the MoE output is the one with that GEMV in its own launch
+    # (gemv.linear_gated_triton; on CUDA also the fold switched off, shared_expert_parts) bit
+    # for bit, and within the references' tolerance. _fold_tiles not None: the fold is what ran
+    c = _case(geo, rows, dtype, seed=80 + rows + 10 * (dtype == torch.float32))
+    tiles = _tiles(c, "v4")
+    proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
+    sin = SharedIn(proj, c.w["shared_expert.down_proj.weight"])
+    assert ek._fold_tiles(c.x, sin, tiles) is not None
+    run = functools.partial(ek.routed_experts_triton, c.x, c.bank, c.layout, c.slots, c.weights,
+                            tiles)
+    folded = run(sin)
+    down = gemv.linear_gated_triton(proj, sin.down_w)
+    assert torch.equal(folded, run(SharedOut(down, sin.gate_logit)))
+    with shared_fold_kernels(False):
+        assert ek._fold_tiles(c.x, sin, tiles) is None
+        if DEVICE == "cuda":  # the decode path's own launch (on CPU: the torch pair)
+            assert torch.equal(folded, run(sin))
+            assert torch.equal(folded, run(q.shared_expert_parts(c.x, c.w, proj)))
+    ref, engine, routed, shared = _refs(c)
+    assert _close(folded, ref, dtype, routed, shared)
+    assert _close(folded, engine, dtype, engine=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_fold_negative_control(dtype):
+    # the folded programs read the down weight given: one row doubled must fail the checks
+    # above (and only the folded run sees it: the reference keeps the true weight)
+    c = _case("small", 2, dtype, seed=91)
+    tiles = _tiles(c, "v4")
+    proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
+    bad = c.w["shared_expert.down_proj.weight"].clone()
+    bad[5] *= 2
+    sin = SharedIn(proj, bad)
+    assert ek._fold_tiles(c.x, sin, tiles) is not None
+    got = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles, sin)
+    ref, engine, routed, shared = _refs(c)
+    assert not _close(got, ref, dtype, routed, shared)
+    good = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles,
+                                    SharedIn(proj, c.w["shared_expert.down_proj.weight"]))
+    assert _close(good, ref, dtype, routed, shared)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
+def test_shared_fold_graph_replay_equals_eager():
+    c = _case("real", 1, torch.bfloat16, seed=93)
+    tiles = _tiles(c, "v4")
+
+    def step():
+        proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
+        return ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles,
+                                        SharedIn(proj, c.w["shared_expert.down_proj.weight"]))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in (94, 95):
         gen = torch.Generator().manual_seed(seed)
         c.x.copy_(torch.randn(c.x.shape, generator=gen).bfloat16())
         c.slots.copy_(c.slots.flip(1))
