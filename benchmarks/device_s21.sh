@@ -10,7 +10,7 @@ O=${OUT:-/tmp/out}; mkdir -p "$O"
 stamp() { while IFS= read -r l; do echo "$(date +%T) $l"; done; }
 case $1 in
   tests)
-    python3 -m pytest -m gpu --collect-only -q -p no:cacheprovider ${TESTS:-tests/gpu/test_moe_fused_gpu.py \
+    python3 -m pytest -m gpu --collect-only -p no:cacheprovider ${TESTS:-tests/gpu/test_moe_fused_gpu.py \
       tests/gpu/test_skip_gpu.py tests/gpu/test_offload_gpu.py} 2>/dev/null | grep '::' > "$O/ids.txt"
     echo "$(wc -l < "$O/ids.txt") tests"
     for s in 0 1 2 3; do
@@ -21,6 +21,7 @@ case $1 in
     wait
     for s in 0 1 2 3; do echo "shard $s: $(grep -c ' PASSED' "$O/ptest_$s.log") passed; $(tail -1 "$O/ptest_$s.log")"; done
     grep -h "FAILED\|ERROR" "$O"/ptest_*.log | head -20 ;;
+  diag) PYTHONPATH=$PWD python3 benchmarks/diag_fold_tolerance.py ;;
   bench)
     CTX=${CTX:-4k,32k,255k} DENSE=nvfp4 \
       ARMS=${ARMS:-"resident;resident:fold=0;resident:slotview=0;resident:fold=0,slotview=0"} \
