@@ -3,8 +3,9 @@
 #   tests    the GPU tests the shared-down fold and the resident slot view touch: the MoE kernels
 #            (the fold against its own launch, its control, graph replay), the skip arms, the
 #            offload identity tests; in four shards at once, each under a timeout
-#   bench    48 layers resident (DENSE=nvfp4), `resident` beside the fold and the slot view off,
-#            apart and together, at CTX (default 4k,32k,255k)
+#   bench    48 layers resident (DENSE=nvfp4), `resident` beside the fold on / the slot view off
+#            (ARMS), at CTX (default 4k,32k,255k)
+#   diag     benchmarks/diag_fold_tolerance.py: the elements a seed-82 tolerance check missed
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 stamp() { while IFS= read -r l; do echo "$(date +%T) $l"; done; }
@@ -24,6 +25,6 @@ case $1 in
   diag) PYTHONPATH=$PWD python3 benchmarks/diag_fold_tolerance.py ;;
   bench)
     CTX=${CTX:-4k,32k,255k} DENSE=nvfp4 \
-      ARMS=${ARMS:-"resident;resident:fold=0;resident:slotview=0;resident:fold=0,slotview=0"} \
+      ARMS=${ARMS:-"resident;resident:fold=1;resident:slotview=0"} \
       bash benchmarks/device_bench48.sh resident ;;
 esac

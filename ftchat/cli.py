@@ -467,7 +467,7 @@ def bench_cmd(
              "fused=0 in an arm runs the torch decode path, pdl=0 launches without "
              "programmatic dependent launch, rowloop=0 takes the tiled NVFP4 kernels, "
              "onerow=0 the routed experts' 2-h-row tile at bs 1, hc1=1 the HC read in one "
-             "launch, fold=0 the shared down GEMV in its own launch, slotview=0 resident slots "
+             "launch, fold=1 the shared down GEMV inside the routed kernel, slotview=0 resident slots "
              "from two torch kernels a layer; resident:skip=hc+gemv "
              "leaves kernel families out (their marginal cost; not the model's tokens)")]
     = "off;on;on:budget=4",

@@ -40,7 +40,7 @@ def test_arms_parse_into_settings():
     arms = parse_arms("resident; off:eviction=lru ;on:budget=4,overlap=0;resident:fused=0;"
                       "resident:pdl=0;off:pdl=0;resident:rowloop=0;resident:onerow=1;"
                       "resident:onerow=0;resident:skip=hc;resident:skip=gemv+routed;resident:hc1=1;"
-                      "on:hc1=1;resident:fold=0;resident:slotview=0;on:fold=0", Settings())
+                      "on:hc1=1;resident:fold=1;resident:slotview=0;on:fold=1", Settings())
     assert arms["resident"].settings is None and arms["resident"].fused and arms["resident"].pdl
     assert arms["resident:fused=0"].settings is None and not arms["resident:fused=0"].fused
     assert arms["resident:pdl=0"].fused and not arms["resident:pdl=0"].pdl
@@ -55,10 +55,10 @@ def test_arms_parse_into_settings():
     assert arms["resident:skip=hc"].fused and arms["resident:skip=hc"].settings is None
     assert arms["resident:hc1=1"].hc_one_launch and arms["on:hc1=1"].hc_one_launch
     assert not arms["resident"].hc_one_launch
-    assert arms["resident"].shared_fold and arms["resident"].slot_view
-    assert not arms["resident:fold=0"].shared_fold and arms["resident:fold=0"].slot_view
-    assert not arms["resident:slotview=0"].slot_view and arms["resident:slotview=0"].shared_fold
-    assert not arms["on:fold=0"].shared_fold and arms["on:fold=0"].settings.prefetch == "on"
+    assert not arms["resident"].shared_fold and arms["resident"].slot_view
+    assert arms["resident:fold=1"].shared_fold and arms["resident:fold=1"].slot_view
+    assert not arms["resident:slotview=0"].slot_view and not arms["resident:slotview=0"].shared_fold
+    assert arms["on:fold=1"].shared_fold and arms["on:fold=1"].settings.prefetch == "on"
     on = arms["on:budget=4,overlap=0"].settings
     assert (on.prefetch, on.budget_gdn, on.budget_attn, on.overlap) == ("on", 4, 4, False)
 
@@ -136,8 +136,8 @@ def test_an_arms_fold_and_slotview_switches_hold_within_its_block():
     from ftchat.commands.bench import arm_kernels
     from ftchat.kernels import SHARED_FOLD, SLOT_VIEW
 
-    arm = parse_arms("resident:fold=0,slotview=0", Settings())["resident:fold=0,slotview=0"]
-    assert SHARED_FOLD.value and SLOT_VIEW.value
+    arm = parse_arms("resident:fold=1,slotview=0", Settings())["resident:fold=1,slotview=0"]
+    assert not SHARED_FOLD.value and SLOT_VIEW.value
     with arm_kernels(arm):
-        assert not SHARED_FOLD.value and not SLOT_VIEW.value
-    assert SHARED_FOLD.value and SLOT_VIEW.value
+        assert SHARED_FOLD.value and not SLOT_VIEW.value
+    assert not SHARED_FOLD.value and SLOT_VIEW.value

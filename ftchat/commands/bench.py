@@ -7,9 +7,9 @@ kernel's before/after); `pdl=0` launches the fused kernels without programmatic 
 `rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
 `onerow=0` gives the routed experts' row-loop kernel 2 h rows a program at bs 1 (as at bs 2);
 `hc1=1` runs the HC read as one launch (a grid barrier between its parts; off by default);
-`fold=0` gives the shared expert's down GEMV its own launch again (by default it runs inside the
-routed experts' kernel 1); `slotview=0` maps resident ids to slots with two torch kernels a
-layer again (by default the kernel reads a view of the layer's rows);
+`fold=1` runs the shared expert's down GEMV inside the routed experts' kernel 1 (by default it
+has its own launch: the fold measured slower); `slotview=0` maps resident ids to slots with two
+torch kernels a layer again (by default the kernel reads a view of the layer's rows);
 `resident:skip=hc` (or `skip=hc+gemv`; ftchat/kernels/skip.py) leaves those kernel families out
 of the step: beside `resident`, the difference is their marginal cost (its tokens are not the
 model's);
@@ -56,7 +56,7 @@ class ArmSpec:
     one_row: bool | None = None  # the routed experts' one-h-row bs-1 tile (None: the default)
     skip: frozenset[str] = frozenset()  # kernel families left out (a timing diagnostic)
     hc_one_launch: bool = False  # the HC read as one launch with a grid barrier
-    shared_fold: bool = True  # the shared down GEMV inside the routed kernel 1
+    shared_fold: bool = False  # the shared down GEMV inside the routed kernel 1
     slot_view: bool = True  # resident ids are slots of a view of the layer's rows
 
 
@@ -83,7 +83,8 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         if not eq or not v.strip():
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
-    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop", "fold", "slotview")}
+    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop", "slotview")}
+    switches["fold"] = flags.pop("fold", "0")
     one_row = flags.pop("onerow", None)
     hc1 = flags.pop("hc1", "0")
     skip = flags.pop("skip", None)

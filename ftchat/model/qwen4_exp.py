@@ -157,11 +157,11 @@ def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a:
     """CUDA decode of the MoE block, xt [N, D] -> [N, D]: one GEMV on [gate | up | gate logit |
     router] (the router's rows when fused at load, else its own GEMV), the router kernel, the
     backend's copies begin; the backend's routed kernel then runs the shared down GEMV of
-    silu(g) * u too (SharedIn: inside its kernel 1 at bs <= 2, else its own launch first) and
-    adds the gate and the sum. It rounds where torch does (bf16 within ~an ulp); the
-    router logits are the Triton GEMV's, so an expert whose logit ties the k-th within an ulp
-    may be chosen otherwise than on the torch path (the identity tests compare arms of one
-    path)."""
+    silu(g) * u too (SharedIn: its own launch first; inside its kernel 1 at bs <= 2 where
+    kernels.SHARED_FOLD is on) and adds the gate and the sum. It rounds where torch does (bf16
+    within ~an ulp); the router logits are the Triton GEMV's, so an expert whose logit ties the
+    k-th within an ulp may be chosen otherwise than on the torch path (the identity tests
+    compare arms of one path)."""
     I = w["shared_expert.down_proj.weight"].shape[1]
     E = w[SHARED_FUSED].shape[0] - (2 * I + 1)  # router rows fused in (0: kept apart)
     if ROUTE_IN_GEMV and E > 0 and gemv.dispatches(xt, w[SHARED_FUSED]):
@@ -180,7 +180,8 @@ def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None) -> Share
     """The shared expert before its gate, for CUDA decode, in launches of its own: the fused
     GEMV's output proj [N, 2I + 1 (+ E)] (computed here when not given), then the down GEMV of
     h = silu(g) * u (`expert_kernels.shared_down`). The decode step hands the routed kernel
-    SharedIn instead, which runs the down GEMV inside its kernel 1 where it can.
+    SharedIn instead, which runs the down GEMV (inside its kernel 1 where kernels.SHARED_FOLD
+    allows).
     x [N, D] -> down [N, D], gate logit [N, 1] (a column view of proj)."""
     proj = gemv.linear(x, w[SHARED_FUSED]) if proj is None else proj
     return ek.shared_down(SharedIn(proj, w["shared_expert.down_proj.weight"]))

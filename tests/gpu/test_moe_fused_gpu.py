@@ -476,6 +476,30 @@ def test_graph_replay_equals_eager(variant):
 # ===== the shared down GEMV inside kernel 1 (SharedIn) =====
 
 
+def _shared_bound(c: SimpleCase, shared: torch.Tensor) -> torch.Tensor:
+    # |shared| + sigmoid(gate) * sum_i |h_i w_ni|: a dot product's rounding error scales with the
+    # sum of its terms' magnitudes, not with the sum itself. Where the shared down output cancels
+    # (|s| ~ 0.01 of a mass ~ 3.8), bf16 h from the fused GEMV against the reference's own
+    # projections misses 2^-7 (|r| + |s| + |ref|) by up to 2x (7 of 5,120 elements, real
+    # geometry, seed 82; benchmarks/diag_fold_tolerance.py); with the mass added the worst
+    # element over four seeds used 0.30 of the tolerance
+    w = {k: v.float().cpu() for k, v in c.w.items()}
+    x = c.x.float().cpu()
+    P = "shared_expert."
+    h = F.silu(x @ w[P + "gate_proj.weight"].T) * (x @ w[P + "up_proj.weight"].T)
+    mass = h.abs() @ w["shared_expert.down_proj.weight"].abs().T  # [T, D]
+    return shared.float().cpu().abs() + torch.sigmoid(x @ w["shared_expert_gate.weight"].T) * mass
+
+
+@pytest.fixture
+def fold_on():
+    # the fold is off by default (kernels.SHARED_FOLD: measured slower at 48 layers); these
+    # tests switch it on
+    with shared_fold_kernels(True):
+        yield
+
+
+@pytest.mark.usefixtures("fold_on")
 @pytest.mark.parametrize("geo", ["real", "small"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -500,10 +524,11 @@ def test_shared_fold_equals_its_own_launch(geo, rows, dtype):
             assert torch.equal(folded, run(sin))
             assert torch.equal(folded, run(q.shared_expert_parts(c.x, c.w, proj)))
     ref, engine, routed, shared = _refs(c)
-    assert _close(folded, ref, dtype, routed, shared)
+    assert _close(folded, ref, dtype, routed, _shared_bound(c, shared))
     assert _close(folded, engine, dtype, engine=True)
 
 
+@pytest.mark.usefixtures("fold_on")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_shared_fold_negative_control(dtype):
     # the folded programs read the down weight given: one row doubled must fail the checks
@@ -517,12 +542,13 @@ def test_shared_fold_negative_control(dtype):
     assert ek._fold_tiles(c.x, sin, tiles) is not None
     got = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles, sin)
     ref, engine, routed, shared = _refs(c)
-    assert not _close(got, ref, dtype, routed, shared)
+    assert not _close(got, ref, dtype, routed, _shared_bound(c, shared))
     good = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles,
                                     SharedIn(proj, c.w["shared_expert.down_proj.weight"]))
-    assert _close(good, ref, dtype, routed, shared)
+    assert _close(good, ref, dtype, routed, _shared_bound(c, shared))
 
 
+@pytest.mark.usefixtures("fold_on")
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
 def test_shared_fold_graph_replay_equals_eager():
     c = _case("real", 1, torch.bfloat16, seed=93)
