@@ -68,8 +68,9 @@ ONE_ROW = Switch(True)
 # instead of two kernels; off until measured at 48 layers (bench's hc1=1 arms)
 HC_ONE_LAUNCH = Switch(False)
 # the shared expert's down GEMV as extra programs of the routed experts' kernel 1 (one launch a
-# layer fewer; expert_kernels.routed_experts_triton); off: its own launch before it. Off: at 48
-# layers it measured slower (181.8 against 192.2 tok/s at 4K, bench's fold=1 arm, session 21)
+# layer fewer; expert_kernels.routed_experts_triton); off: its own launch before it. Off by
+# default: at 48 layers it measured slower (185.5 against 198.6 tok/s at 4K, bench's fold=1
+# arm beside resident, session 21)
 SHARED_FOLD = Switch(False)
 # resident experts address a layer's rows through a view of the bank at the layer's first row,
 # so the router's ids are the slots; off: slots = (ids + layer * E).to(int32), two torch
