@@ -771,11 +771,13 @@ def routed_experts_any(x: Tensor, bank: Tensor, layout: RowLayout, slots: Tensor
     With `shared` (the shared expert's down output and gate logit, or SharedIn: its inputs) the
     result includes the gated shared expert: folded into the routed kernels on CUDA, else
     `add_shared`."""
-    if x.is_cuda and HAS_TRITON and x.shape[0] <= DECODE_MAX_TOKENS:
-        if shared is None or x.dtype in (torch.bfloat16, torch.float32):
-            return routed_experts_triton(x, bank, layout, slots, weights, shared=shared)
-        shared = shared_down(shared) if isinstance(shared, SharedIn) else shared
-        return add_shared(routed_experts_triton(x, bank, layout, slots, weights), shared)
-    shared = shared_down(shared) if isinstance(shared, SharedIn) else shared
-    out = routed_experts(x, bank, layout, slots, ids, weights)
+    triton_path = x.is_cuda and HAS_TRITON and x.shape[0] <= DECODE_MAX_TOKENS
+    if triton_path and (shared is None or x.dtype in (torch.bfloat16, torch.float32)):
+        return routed_experts_triton(x, bank, layout, slots, weights, shared=shared)
+    if isinstance(shared, SharedIn):  # the paths below add a computed down output
+        shared = shared_down(shared)
+    if triton_path:
+        out = routed_experts_triton(x, bank, layout, slots, weights)
+    else:
+        out = routed_experts(x, bank, layout, slots, ids, weights)
     return out if shared is None else add_shared(out, shared)

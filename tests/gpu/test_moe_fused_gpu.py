@@ -448,6 +448,25 @@ def test_moe_block_route_in_gemv(dtype, monkeypatch):
         assert _close(on, off, dtype, engine=True)
 
 
+def _assert_replay_equals_eager(c: SimpleCase, step, seeds) -> None:
+    # step() captured once (compiled on a side stream first), then replayed with new x and
+    # permuted slots written in place: each replay's output equals an eager step's bits
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for seed in seeds:
+        gen = torch.Generator().manual_seed(seed)
+        c.x.copy_(torch.randn(c.x.shape, generator=gen).bfloat16())
+        c.slots.copy_(c.slots.flip(1))
+        graph.replay()
+        assert torch.equal(out, step())
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
 @pytest.mark.parametrize("variant", ek.VARIANTS)
 def test_graph_replay_equals_eager(variant):
@@ -457,20 +476,7 @@ def test_graph_replay_equals_eager(variant):
     def step():
         shared = q.shared_expert_parts(c.x, c.w)
         return ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles, shared)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for seed in (72, 73):
-        gen = torch.Generator().manual_seed(seed)
-        c.x.copy_(torch.randn(c.x.shape, generator=gen).bfloat16())
-        c.slots.copy_(c.slots.flip(1))
-        graph.replay()
-        assert torch.equal(out, step())
+    _assert_replay_equals_eager(c, step, (72, 73))
 
 
 # ===== the shared down GEMV inside kernel 1 (SharedIn) =====
@@ -558,17 +564,4 @@ def test_shared_fold_graph_replay_equals_eager():
         proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
         return ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles,
                                         SharedIn(proj, c.w["shared_expert.down_proj.weight"]))
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
-    for seed in (94, 95):
-        gen = torch.Generator().manual_seed(seed)
-        c.x.copy_(torch.randn(c.x.shape, generator=gen).bfloat16())
-        c.slots.copy_(c.slots.flip(1))
-        graph.replay()
-        assert torch.equal(out, step())
+    _assert_replay_equals_eager(c, step, (94, 95))
