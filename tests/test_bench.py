@@ -30,6 +30,10 @@ from ftchat.settings import Settings
     ("resident:hc1=yes", "hc1='yes': expected 1 or 0"),
     ("resident:fold=2", "fold='2': expected 1 or 0"),
     ("resident:slotview=no", "slotview='no': expected 1 or 0"),
+    ("resident:gdnearly=2", "gdnearly='2': expected 1 or 0"),
+    ("resident:l2pf=-1", "l2pf='-1': expected MiB from 0 to 1024"),
+    ("resident:l2pf=16MB", "l2pf='16MB': expected MiB from 0 to 1024"),
+    ("resident:l2pf=2048", "l2pf='2048': expected MiB from 0 to 1024"),
 ])
 def test_a_bad_arm_is_a_usage_error_naming_it(arms, message):
     with pytest.raises(FtchatError, match=message):
@@ -141,3 +145,17 @@ def test_an_arms_fold_and_slotview_switches_hold_within_its_block():
     with arm_kernels(arm):
         assert SHARED_FOLD.value and not SLOT_VIEW.value
     assert not SHARED_FOLD.value and SLOT_VIEW.value
+
+
+def test_an_arms_l2_prefetch_and_gdn_early_switches_hold_within_its_block():
+    from ftchat.commands.bench import arm_kernels
+    from ftchat.kernels import GDN_EARLY_STATE, L2_PREFETCH
+
+    arms = parse_arms("resident;resident:l2pf=16,gdnearly=1;on:l2pf=8", Settings())
+    assert arms["resident"].l2_prefetch == 0 and not arms["resident"].gdn_early_state
+    assert arms["on:l2pf=8"].l2_prefetch == 8 and arms["on:l2pf=8"].settings.prefetch == "on"
+    arm = arms["resident:l2pf=16,gdnearly=1"]
+    assert L2_PREFETCH.value == 0 and not GDN_EARLY_STATE.value  # the defaults: off
+    with arm_kernels(arm):
+        assert L2_PREFETCH.value == 16 and GDN_EARLY_STATE.value
+    assert L2_PREFETCH.value == 0 and not GDN_EARLY_STATE.value

@@ -44,11 +44,11 @@ class Switch:
     a CUDA graph captured while it holds keeps it. `switch.value` is the choice; `with
     switch.set(v):` changes it within the block."""
 
-    def __init__(self, value: bool):
+    def __init__(self, value: bool | int):
         self.value = value
 
     @contextmanager
-    def set(self, value: bool) -> Iterator[None]:
+    def set(self, value: bool | int) -> Iterator[None]:
         prev, self.value = self.value, value
         try:
             yield
@@ -76,10 +76,17 @@ SHARED_FOLD = Switch(False)
 # so the router's ids are the slots; off: slots = (ids + layer * E).to(int32), two torch
 # kernels a layer (offload.backend.ResidentExperts)
 SLOT_VIEW = Switch(True)
+# MiB of its next weights a decode kernel asks L2 for while it runs (ftchat/kernels/l2_prefetch.py);
+# 0: none. Off until measured at 48 layers (bench's l2pf=N arms)
+L2_PREFETCH = Switch(0)
+# the GDN recurrence kernel loads its state slice before the PDL wait (no kernel of the step
+# before it writes the state); off: after the wait. Off until measured (bench's gdnearly=1)
+GDN_EARLY_STATE = Switch(False)
 fused_kernels, pdl_kernels = FUSED.set, PDL.set
 rowloop_kernels, one_row_kernels = ROWLOOP.set, ONE_ROW.set
 hc_one_launch_kernels = HC_ONE_LAUNCH.set
 shared_fold_kernels, slot_view_kernels = SHARED_FOLD.set, SLOT_VIEW.set
+l2_prefetch_kernels, gdn_early_state_kernels = L2_PREFETCH.set, GDN_EARLY_STATE.set
 
 
 def use_fused(t) -> bool:

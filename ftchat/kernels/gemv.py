@@ -66,6 +66,7 @@ from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
+from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
 from ftchat.kernels.router import _topk_row
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
@@ -157,7 +158,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
                  X_SR: tl.constexpr, GATED: tl.constexpr, U_OFF: tl.constexpr,
                  lg_ptr, L_SR, ids_ptr, tw_ptr, TOPK: tl.constexpr, R0: tl.constexpr,
                  TE: tl.constexpr, TKP: tl.constexpr, TBE: tl.constexpr, TNORM: tl.constexpr,
-                 PDL: tl.constexpr):
+                 pf_ptr, pf_bytes, L2PF: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT); x [rows, K] (row stride X_SR), w [N, K] -> out [rows, N]
     (x's dtype). GATED: the input is h = silu(g) * u, g = x[:, :K], u = x[:, U_OFF:U_OFF + K]
     (`_silu_mul`), computed where x would be loaded (each program for its own chunk).
@@ -169,9 +170,12 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
     kept [BLOCK_N, RB] so a row's dot product lands in it without a layout change). SPLIT 1:
     out = round(acc). Else acc -> part[s] (fp32 [SPLIT, rows, N]); the last program of block p
     to arrive (counter cnt[p], left 0) stores round(part[0] + part[1] + ... + part[SPLIT-1]).
+    L2PF: the programs first ask L2 for pf_bytes at pf_ptr (the next kernel's weight).
     """
     pdl_release(PDL)
     p, s = tl.program_id(0), tl.program_id(1)
+    prefetch_l2(pf_ptr, pf_bytes, s * tl.num_programs(0) + p,
+                tl.num_programs(0) * tl.num_programs(1), L2PF)
     n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -243,16 +247,19 @@ def _pow2(v: int) -> bool:
 
 
 @family("gemv")
-def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tensor:
+def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None,
+                  prefetch: Tensor | None = None) -> Tensor:
     """F.linear(x, w) = x @ w.T for x [..., K] (rows = x.numel() / K <= GEMV_MAX_ROWS) and w
     [N, K] contiguous, both bf16 or both fp32; returns [..., N] in x's dtype (fp32 accumulation,
     rounded once). One launch (split-K reduces in the same kernel); no host sync.
     w must be a weight, written by no kernel still in flight: with PDL its first tile is read
-    before the previous kernel has finished.
+    before the previous kernel has finished. prefetch: the next kernel's weight, asked of L2
+    while this one runs where `kernels.L2_PREFETCH` is on (l2_prefetch.py).
     """
     K = w.shape[1]
     assert x.shape[-1] == K, "w must be [N, K], x [..., K]"
-    return _launch(x.reshape(-1, K).contiguous(), x.shape[:-1], w, tiles, gated=False)[0]
+    return _launch(x.reshape(-1, K).contiguous(), x.shape[:-1], w, tiles, gated=False,
+                   prefetch=prefetch)[0]
 
 
 @family("gemv")
@@ -296,7 +303,8 @@ def linear_topk_triton(x: Tensor, w: Tensor, experts: int, k: int, norm_topk_pro
 
 
 def _launch(x2: Tensor, lead: torch.Size, w: Tensor, tiles: GemvTiles | None, gated: bool,
-            route: tuple[int, int, bool] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+            route: tuple[int, int, bool] | None = None, prefetch: Tensor | None = None
+            ) -> tuple[Tensor, Tensor, Tensor]:
     # x2 [rows, >= K] (unit column stride; gated: [g | u | ...] with >= 2K columns) -> (y
     # [*lead, N], ids [rows, k], weights [rows, k]); route (experts E, k, norm): the top-k of
     # y's last E columns too (else ids, weights are y)
@@ -332,7 +340,7 @@ def _launch(x2: Tensor, lead: torch.Size, w: Tensor, tiles: GemvTiles | None, ga
         X_SR=x2.stride(0) if rows > 1 else K, GATED=gated, U_OFF=K if gated else 0,
         lg_ptr=lg, L_SR=N, ids_ptr=ids, tw_ptr=tw, TOPK=k, R0=N - E, TE=E,
         TKP=max(2, triton.next_power_of_2(k)), TBE=triton.next_power_of_2(max(E, 1)),
-        TNORM=norm, num_warps=t.warps, **pdl_launch(x2))
+        TNORM=norm, num_warps=t.warps, **l2_target(prefetch, x2), **pdl_launch(x2))
     return out.view(*lead, N), ids, tw
 
 
@@ -345,12 +353,13 @@ def dispatches(x: Tensor, w: Tensor) -> bool:
             and 1 <= x.numel() // w.shape[1] <= DISPATCH_MAX_ROWS)
 
 
-def linear(x: Tensor, w: Tensor) -> Tensor:
+def linear(x: Tensor, w: Tensor, prefetch: Tensor | None = None) -> Tensor:
     """F.linear(x, w), through `linear_triton` where it applies (`dispatches`); F.linear
     otherwise. The model calls it for the shapes the kernel measured faster at bs 1-2 (o_proj /
     out_proj [2560, 6144], the shared expert's [1281, 2560] and [2560, 640]); cuBLAS keeps the
     larger projections, where it measured faster (benchmarks/bench_gemv.py,
-    docs/performance.md)."""
+    docs/performance.md). prefetch: the next kernel's weight (`linear_triton`; F.linear
+    ignores it)."""
     if dispatches(x, w):
-        return linear_triton(x, w)
+        return linear_triton(x, w, prefetch=prefetch)
     return F.linear(x, w)

@@ -42,6 +42,7 @@ from torch import Tensor
 
 from ftchat.kernels import (HAS_TRITON, HC_ONE_LAUNCH, INTERPRET, jit as _jit,  # noqa: F401
                             pdl_launch, tl, triton)
+from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import (co_resident, counters, grid_barrier,
                                  last_to_arrive as _last_to_arrive, pdl_release, pdl_wait)
@@ -178,7 +179,7 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
                        L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
                        BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
-                       PDL: tl.constexpr):
+                       pf_ptr, pf_bytes, L2PF: tl.constexpr, PDL: tl.constexpr):
     """HC read, part 1 (split). Grid (cdiv(NOUT, BLOCK_N), HC * CPS): program (p, k) takes chunk
     k of C (BLOCK_K columns of stream k // CPS), loads its [BLOCK_N, BLOCK_K] tile of
     [W_down; W_inj] once, and for every row stores sum(R'^2) over the chunk (ss [NB, NS, RB]) and
@@ -186,9 +187,12 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
     needed yet, since Rn . W = rstd * (R' (1 + w)) . W per stream. The last of the NS programs of
     row block p (a counter, left zero) sums its chunks: rstd per stream, d = sum over chunks of
     rstd * part, then torch's roundings: m = silu(d / hc) -> m [RB, L] (fp32), s = 2 sigmoid(d /
-    hc) -> s_out; block 0 stores rstd [RB, HC].
+    hc) -> s_out; block 0 stores rstd [RB, HC]. L2PF: the programs first ask L2 for pf_bytes at
+    pf_ptr (kernel 2's W_up; l2_prefetch.py).
     """
     pdl_release(PDL)
+    prefetch_l2(pf_ptr, pf_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                tl.num_programs(0) * tl.num_programs(1), L2PF)
     _down_tile(tl.program_id(0), tl.program_id(1), r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr,
                part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D, HC, L, NOUT,
                ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
@@ -250,15 +254,18 @@ def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
 def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
                      D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
                      ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, pf_ptr, pf_bytes,
+                     L2PF: tl.constexpr, PDL: tl.constexpr):
     """HC read, part 2 (split). Grid (cdiv(D, BLOCK_D),); m, rstd (+ R, y, s) -> x [rows, D],
     R' [rows, C] (when ADD). Per row: u = W_up[hc streams x BLOCK_D columns] . m (fp32, BLOCK_L
     low-rank columns a step: one step when BLOCK_L >= L), rounded; sigmoid, rounded; R' and Rn
     for these columns (R' bit-identical to part 1's); x = sum over streams of round(sigmoid(u) *
-    Rn), / hc, rounded.
+    Rn), / hc, rounded. L2PF: the programs first ask L2 for pf_bytes at pf_ptr (the weight the
+    block after the read starts with; l2_prefetch.py).
     """
     pdl_release(PDL)
     p = tl.program_id(0)
+    prefetch_l2(pf_ptr, pf_bytes, p, tl.num_programs(0), L2PF)
     # the first low-rank step's weights load before the PDL wait (m comes from part 1)
     w0 = _up_w0(p, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
     pdl_wait(PDL)
@@ -354,7 +361,8 @@ def _step(n: int, cap: int) -> int:
 
 @family("hc")
 def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = None,
-                  s: Tensor | None = None, inject: bool = True, tiles: HcTiles | None = None):
+                  s: Tensor | None = None, inject: bool = True, tiles: HcTiles | None = None,
+                  prefetch: Tensor | None = None):
     """(R', x, s_new): R' = R + s * y per stream (R itself when y is None), then the HC read of R'.
 
     Args:
@@ -362,6 +370,8 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
         w: the mixer's weights by name: hc_norm.weight [C], input_mix_weight_down.weight [L, C],
             input_mix_weight_up.weight [C, L], block_inject_weight.weight [hc, C] (if inject).
         y, s: [..., D] block output and [..., hc] its injection weights, R's dtype; or None.
+        prefetch: the weight the block after the read starts with: with `kernels.L2_PREFETCH`
+            on, kernel 2 asks L2 for it (and kernel 1 for kernel 2's W_up; l2_prefetch.py).
     Returns R' [..., C] (a new tensor when y is given), x [..., D] and s_new [..., hc] (None
     without inject), all in R's dtype. Two kernel launches, or one with `HC_ONE_LAUNCH` on (the
     same bits); no host sync. With PDL the weight tiles are read before the previous kernel has
@@ -417,9 +427,11 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
             _read_one_launch_kernel[grid](*args, DOWN_LOOP=loop, PHASE=phase, **kw)
     else:
         _down_split_kernel[(nb, ns)](R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, cnt, rows,
-                                     eps, num_warps=t.down_warps, **down, **common)
+                                     eps, num_warps=t.down_warps, **down, **common,
+                                     **l2_target(wu, R2))
         _up_split_kernel[(triton.cdiv(D, t.up_cols),)](
-            R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, num_warps=t.up_warps, **up, **common)
+            R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, num_warps=t.up_warps, **up, **common,
+            **l2_target(prefetch, R2))
     return (r_out.view(R.shape), x.view(*lead, D),
             s_out.view(*lead, hc) if inject else None)
 

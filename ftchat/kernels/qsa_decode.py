@@ -58,6 +58,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _rnd
@@ -218,17 +219,22 @@ def _prep_kernel(proj_ptr, pos_ptr, invf_ptr, qn_ptr, kn_ptr, iqn_ptr, ikn_ptr, 
                  V_SB, V_SL, IK_SB, IK_SL, KB_SB, KB_SN, KS_SB, KS_SL, VS_SB, VS_SL, NMAX, EPS,
                  HQ: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HI: tl.constexpr,
                  DI: tl.constexpr, RD: tl.constexpr, R: tl.constexpr, BF16: tl.constexpr,
-                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, PDL: tl.constexpr):
+                 FP8: tl.constexpr, FP8_MAX: tl.constexpr, pf_ptr, pf_bytes, L2PF: tl.constexpr,
+                 PDL: tl.constexpr):
     """Grid (B, Hq + Hkv + Hi + 1). proj [B, NP] -> q [B, Hq, hd], iq [B, Hi, di]; writes
     k, v [B, L, Hkv, hd] and ik [B, L, di] at p = pos[b], kbar [B, NMAX, di] at p // r when the
     token completes its block. Program j: j < Hq query head j; then kv head j - Hq (k normed and
     roped, v copied); then index query head; the last: raw index key and k̄. Exact but for the
     fp32 statistic's summation order and the rsqrt/cos/sin implementations. FP8: k and v are
-    the caches' code bytes (uint8), their scales ks, vs [B, L, Hkv] fp32 (module docstring)."""
+    the caches' code bytes (uint8), their scales ks, vs [B, L, Hkv] fp32 (module docstring).
+    L2PF: the programs first ask L2 for pf_bytes at pf_ptr (o_proj's weight, read after the
+    rank, attention and combine kernels: l2_prefetch.py)."""
     pdl_release(PDL)
-    pdl_wait(PDL)
     b = tl.program_id(0)
     j = tl.program_id(1)
+    prefetch_l2(pf_ptr, pf_bytes, j * tl.num_programs(0) + b,
+                tl.num_programs(0) * tl.num_programs(1), L2PF)
+    pdl_wait(PDL)
     K_OFF: tl.constexpr = HQ * 2 * HD
     V_OFF: tl.constexpr = K_OFF + HKV * HD
     IQ_OFF: tl.constexpr = V_OFF + HKV * HD
@@ -473,7 +479,8 @@ def _bf16(dtype: torch.dtype) -> bool:
 
 @family("qsa")
 def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor, Tensor, Tensor],
-             dims: QsaDims, eps: float, theta: float) -> tuple[Tensor, Tensor]:
+             dims: QsaDims, eps: float, theta: float, prefetch: Tensor | None = None
+             ) -> tuple[Tensor, Tensor]:
     """Kernel 1 (module docstring): the post-projection work of one decode step.
 
     Args:
@@ -483,6 +490,8 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
             written in place at pos (rows may be a batch slice; each row dense); an FP8 cache
             (kv_cache.is_fp8) also 'k_scale', 'v_scale' [B, L, Hkv] fp32.
         norms: the zero-centred weights (q_norm [hd], k_norm [hd], q_layernorm [di], k_layernorm [di]).
+        prefetch: a weight read after the step's attention (o_proj), asked of L2 first where
+            `kernels.L2_PREFETCH` is on (l2_prefetch.py).
     Returns:
         q [B, Hq, hd] and iq [B, Hi, di] normed and roped, model dtype.
     """
@@ -512,7 +521,7 @@ def qsa_prep(proj: Tensor, pos: Tensor, cache: dict, norms: tuple[Tensor, Tensor
         ks.stride(1), vs.stride(0), vs.stride(1), kbar.shape[1], float(eps),
         HQ=Hq, HKV=Hkv, HD=hd, HI=Hi, DI=di, RD=dims.rotary_dim, R=dims.ratio,
         BF16=_bf16(proj.dtype), FP8=fp8, FP8_MAX=FP8_MAX, num_warps=2 if hd <= 128 else 4,
-        enable_fp_fusion=False, **pdl_launch(proj))
+        enable_fp_fusion=False, **l2_target(prefetch, proj), **pdl_launch(proj))
     return q, iq
 
 

@@ -225,9 +225,20 @@ def gdn_decode_fused(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: Model
         proj = nvfp4_gemv.linear(x[:, 0], q4.packed, q4.scale, q4.g, tail=w[FUSED_BA])
     else:  # weights that could not be fused (e.g. kept in another format): four GEMVs
         proj = torch.cat([F.linear(x[:, 0], dense(w[n], x.dtype)) for n in PROJECTIONS], dim=-1)
+    # the recurrence kernel asks L2 for out_proj's weight while it runs (latency-bound)
     o = gdn_decode_step(proj, conv_state, S, w["conv1d.weight"], w["A_log"], w["dt_bias"],
-                        w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type)
+                        w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type,
+                        prefetch=w["out_proj.weight"])
     return gemv.linear(o, w["out_proj.weight"])[:, None]  # [B, 1, D]
+
+
+def decode_input_weight(w: dict) -> Tensor | None:
+    """The weight a CUDA decode step of the layer reads first (its fused input projection: the
+    NVFP4 codes where qkv / z stay packed), which the HC read before it may ask L2 for
+    (ftchat/kernels/l2_prefetch.py); None where the projections were not fused."""
+    if FUSED in w:
+        return w[FUSED]
+    return w[FUSED_NVFP4].packed if FUSED_NVFP4 in w else None
 
 
 def _dims(a: ModelArgs) -> tuple[int, int, int, int]:

@@ -395,6 +395,12 @@ def qsa_dims(a: ModelArgs) -> QsaDims:
                    a.indexer_head_dim, a.rotary_dim, a.indexer_compress_ratio)
 
 
+def decode_input_weight(w: dict) -> Tensor | None:
+    """The weight a CUDA decode step of the layer reads first (the fused projection), which the
+    HC read before it may ask L2 for (ftchat/kernels/l2_prefetch.py); None where not fused."""
+    return w.get(FUSED)
+
+
 def fused_projection(x: Tensor, w: dict) -> Tensor:
     """proj [B, NP] = [q|gate | k | v | index q|k] of x [B, D]: one GEMV on w[FUSED] when the
     load fused the four weights (`fuse_qsa_projections`), else four."""
@@ -424,7 +430,9 @@ def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len:
     proj = fused_projection(x[:, 0], w)  # [B, NP]
     norms = tuple(w[n] for n in ("q_norm.weight", "k_norm.weight", "indexer.q_layernorm.weight",
                                  "indexer.k_layernorm.weight"))
-    q, iq = qsa_prep(proj, pos, cache, norms, dims, a.rms_norm_eps, a.rope_theta)
+    # the prep kernel asks L2 for o_proj's weight while rank, attention and combine run
+    q, iq = qsa_prep(proj, pos, cache, norms, dims, a.rms_norm_eps, a.rope_theta,
+                     prefetch=w["o_proj.weight"])
     blocks, keys = select_blocks_fused(iq, cache["kbar"], pos, kv_len, a)
     hd = a.head_dim
     gate = proj[:, : dims.heads * 2 * hd].unflatten(-1, (dims.heads, 2 * hd))[..., hd:]  # [B, Hq, hd]

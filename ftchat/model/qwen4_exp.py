@@ -15,11 +15,13 @@ from ftchat.kernels import gemv, hyper, router, use_fused
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend, SharedIn, SharedOut
 from ftchat.model.embedding import EMBED, embed
-from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
+from ftchat.model.gdn import (decode_input_weight as gdn_input_weight, fuse_gdn_layers,
+                              gdn_mixer)
 from ftchat.model.layers import (ROUTER, SHARED_FUSED, fuse_moe_layers, rms_norm,
                                   shared_expert_ref)
 from ftchat.model.ple import ple_layer
-from ftchat.model.qsa import attention_mixer, fuse_qsa_layers
+from ftchat.model.qsa import (attention_mixer, decode_input_weight as qsa_input_weight,
+                              fuse_qsa_layers)
 from ftchat.model.state import DecodeState
 from ftchat.offload import expert_kernels as ek
 
@@ -101,12 +103,16 @@ def hc_write_ref(R: Tensor, y: Tensor, s: Tensor) -> Tensor:
 
 
 def hc_write_read(R: Tensor, y: Tensor | None, s: Tensor | None, w: dict, a: ModelArgs,
-                  inject: bool = True) -> tuple[Tensor, Tensor, Tensor | None]:
+                  inject: bool = True, prefetch: Tensor | None = None
+                  ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The previous block's write then the next mix: (R', x, s') with R' = hc_write(R, y, s)
     (R when y is None) and x, s' = hc_read(R'); s' is None without inject. On CUDA decode the
-    write rides in the read's two kernels (they read R anyway), so it costs no launch."""
+    write rides in the read's two kernels (they read R anyway), so it costs no launch; prefetch
+    (the weight the next block reads first) is asked of L2 by them where kernels.L2_PREFETCH
+    is on."""
     if _fused(R, hyper.HC_MAX_ROWS):
-        return hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, y, s, inject)
+        return hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, y, s, inject,
+                                   prefetch=prefetch)
     if y is not None:
         R = hc_write_ref(R, y, s)
     out = hc_read_ref(R, w, a, inject)
@@ -168,7 +174,8 @@ def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a:
         proj, ids, weights = gemv.linear_topk_triton(xt, w[SHARED_FUSED], E,
                                                      a.num_experts_per_tok, a.norm_topk_prob)
     else:
-        proj = gemv.linear(xt, w[SHARED_FUSED])  # [N, 2I + 1 (+ E)]
+        # [N, 2I + 1 (+ E)]; it asks L2 for the shared down weight the backend reads next
+        proj = gemv.linear(xt, w[SHARED_FUSED], prefetch=w["shared_expert.down_proj.weight"])
         logits = proj[:, 2 * I + 1:] if E > 0 else F.linear(xt, w[ROUTER])
         ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok,
                                                  a.norm_topk_prob)
@@ -207,13 +214,17 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
                 R, y = hc_write(R, y, s), None
             ple = {"ctx": state.ple_ctx[rows], "conv": state.ple_conv[i][rows]}
             R = R + ple_layer(R, tokens, lw["ple"], ple, a)
-        R, h, s = hc_write_read(R, y, s, lw["attn_hyper_connection"], a)
-        if a.is_attention(i):
+        attention = a.is_attention(i)
+        mixer_w = lw["self_attn"] if attention else lw["linear_attn"]
+        first_w = qsa_input_weight(mixer_w) if attention else gdn_input_weight(mixer_w)
+        R, h, s = hc_write_read(R, y, s, lw["attn_hyper_connection"], a, prefetch=first_w)
+        if attention:
             cache = {k: c[rows] for k, c in state.kv[i].items()}
-            y = attention_mixer(h, lw["self_attn"], cache, pos, kv_len, a)
+            y = attention_mixer(h, mixer_w, cache, pos, kv_len, a)
         else:
-            y = gdn_mixer(h, lw["linear_attn"], state.conv[i][rows], state.recurrent[i][rows], a)
-        R, h, s = hc_write_read(R, y, s, lw["mlp_hyper_connection"], a)
+            y = gdn_mixer(h, mixer_w, state.conv[i][rows], state.recurrent[i][rows], a)
+        R, h, s = hc_write_read(R, y, s, lw["mlp_hyper_connection"], a,
+                                prefetch=lw["mlp"].get(SHARED_FUSED))
         y = moe_block(i, h, lw["mlp"], experts, a)
     n = a.ngram_size - 1
     ctx = state.ple_ctx[rows]
@@ -225,7 +236,7 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
     # long prefill chunk skips the [T, V] output. Bits may move by the summation order of a
     # GEMM of fewer rows, and on CUDA <= 8 rows take decode's fused mixer (within a bf16 ulp).
     R, y, s = R[:, logits_at], y[:, logits_at], s[:, logits_at]
-    _, h, _ = hc_write_read(R, y, s, W.final_mixer, a, inject=False)
+    _, h, _ = hc_write_read(R, y, s, W.final_mixer, a, inject=False, prefetch=W["lm_head.weight"])
     return F.linear(h, W["lm_head.weight"])
 
 

@@ -55,7 +55,9 @@ from ftchat.kernels import (HAS_TRITON, SHARED_FOLD, gemv, jit as _jit, pdl_laun
 from ftchat.kernels.fp4 import (  # noqa: F401 (importable from here too)
     _E2M1_E4M3_PTX, _PTX, _e2m1_pair, _e2m1_word)
 from ftchat.kernels.gemv import _chunk_dot
+from ftchat.kernels import l2_prefetch
 from ftchat.kernels.hyper import _rnd, _rows_block
+from ftchat.kernels.l2_prefetch import prefetch_l2
 from ftchat.kernels.nvfp4_gemv import DEC_BITS, _codes, _group_sum, _row_chunk, _x_groups
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
@@ -430,10 +432,13 @@ def _gate_up_v4_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, R
                        BLOCK_K: tl.constexpr, BF16: tl.constexpr, DEC: tl.constexpr,
                        gu_ptr, sw_ptr, s_ptr, rows, GU_SR: tl.constexpr, SI: tl.constexpr,
                        SBN: tl.constexpr, SBK: tl.constexpr, SRB: tl.constexpr,
-                       SHARED_DOWN: tl.constexpr, PDL: tl.constexpr):
+                       SHARED_DOWN: tl.constexpr, pf_off, pf_bytes, L2PF: tl.constexpr,
+                       PDL: tl.constexpr):
     # grid (T * K (+ NS), I / HB); x [T, D] -> h [T, K, I] fp32, word-major (as v2).
     # SHARED_DOWN: the NS extra columns of programs (tk >= T * K) compute the shared expert's
-    # down output s [T, D] = F.linear(silu(g) * u, sw) from gu (`_shared_down_tile`)
+    # down output s [T, D] = F.linear(silu(g) * u, sw) from gu (`_shared_down_tile`).
+    # L2PF: the programs of each (token, k) ask L2 for pf_bytes of its row from pf_off (the
+    # down part kernel 2 reads: l2_prefetch.py) once they know the slot
     pdl_release(PDL)
     tk = tl.program_id(0)
     routed = True
@@ -445,7 +450,8 @@ def _gate_up_v4_kernel(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, R
                               BF16, PDL)
     if routed:
         _gate_up_v4_tile(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW_U8,
-                         ROW_F32, tk, D, I, K, W_OFF, S_OFF, G_OFF, HB, BLOCK_K, BF16, DEC, PDL)
+                         ROW_F32, tk, D, I, K, W_OFF, S_OFF, G_OFF, HB, BLOCK_K, BF16, DEC,
+                         pf_off, pf_bytes, L2PF, PDL)
 
 
 @_jit
@@ -481,13 +487,15 @@ def _gate_up_v4_tile(x_ptr, w_ptr, u8_ptr, f32_ptr, slots_ptr, h_ptr, ROW_W, ROW
                      tk, D: tl.constexpr, I: tl.constexpr, K: tl.constexpr, W_OFF: tl.constexpr,
                      S_OFF: tl.constexpr, G_OFF: tl.constexpr, HB: tl.constexpr,
                      BLOCK_K: tl.constexpr, BF16: tl.constexpr, DEC: tl.constexpr,
-                     PDL: tl.constexpr):
+                     pf_off, pf_bytes, L2PF: tl.constexpr, PDL: tl.constexpr):
     pdl_wait(PDL)  # the slot ids come from the kernel before: no weight address is known earlier
     # program (tk, h0 / HB): rows r < HB are gate rows h0 + r, rows HB + r the up rows I + h0 + r
     BG: tl.constexpr = BLOCK_K // 16
     CPP: tl.constexpr = D // BLOCK_K
     h0 = tl.program_id(1) * HB
     slot = tl.load(slots_ptr + tk).to(tl.int64)
+    prefetch_l2(u8_ptr + slot * ROW_U8 + pf_off, pf_bytes, tl.program_id(1), tl.num_programs(1),
+                L2PF)
     gg = tl.arange(0, BG)
     pair = 2 * gg[:, None] + tl.arange(0, 2)[None, :]  # [BG, 2] a group's word pair
     wb = w_ptr + slot * ROW_W + W_OFF + h0 * (D // 8) + pair  # gate row h0, first chunk
@@ -705,10 +713,12 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
             fargs = dict(gu_ptr=gu, sw_ptr=sw, s_ptr=shared.down, rows=T,
                          GU_SR=gu.stride(0) if T > 1 else SI, SI=SI, SBN=bn, SBK=bk,
                          SRB=_rows_block(T), SHARED_DOWN=True)
+        down_at = next(p.offset for p in layout.parts if p.name == "down")  # down .. row end
         _gate_up_v4_kernel[(T * K + extra, I // n1)](
             x, *banks, slots, h, *strides, D=D, I=I, K=K, W_OFF=gate_up["W_OFF"],
             S_OFF=gate_up["S_OFF"], G_OFF=gate_up["G_OFF"], HB=n1, BLOCK_K=tiles.gate_up_k,
             BF16=x.dtype == torch.bfloat16, DEC=DEC_BITS, **fargs,
+            **l2_prefetch.rows_target(bank, down_at, R - down_at),
             num_warps=tiles.gate_up_warps, **pdl_launch(x))
     else:
         _gate_up_v2_kernel[(T * K, triton.cdiv(I, n1))](

@@ -1,0 +1,115 @@
+"""L2 prefetch of the next kernel's weights (ftchat/kernels/l2_prefetch.py) and the GDN state
+loaded before the PDL wait (kernels.GDN_EARLY_STATE).
+
+Both change when bytes move, never which bytes a kernel reads, so decode must give the same
+tokens and logits bit for bit with them on and off, in a captured graph and eagerly, on the tiny
+model and on two flash-next layers (the real geometry takes every prefetching kernel: HC read,
+NVFP4 GDN projection then the recurrence, QSA prep, the MoE GEMV, the v4 routed kernel 1).
+Non-vacuity: on the test's GPU the switch turns each kernel's prefetch on (`target` gives L2PF),
+and tests/test_l2_prefetch.py shows that L2PF compiles to the bulk prefetch instruction for
+sm_90. The split of a range among programs and lanes (`piece`) is checked in the interpreter too:
+    on CPU, Triton interpreter:  FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 \\
+        pytest -m gpu tests/gpu/test_l2_prefetch_gpu.py -k pieces
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ftchat.engine import generate, resident_backend
+from ftchat.kernels import (HAS_TRITON, gdn_early_state_kernels, jit as _jit, l2_prefetch,
+                            l2_prefetch_kernels, tl)
+from tests.kernel_inputs import kernel_device
+
+pytestmark = pytest.mark.gpu
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = os.environ.get("FTCHAT_TEST_DEVICE", "cpu" if INTERPRET else "cuda")
+CUDA = torch.cuda.is_available() and not INTERPRET
+needs_hopper = pytest.mark.skipif(
+    not CUDA or torch.cuda.get_device_capability() < (9, 0),
+    reason="the bulk prefetch needs a CUDA GPU of sm_90 or later (not the interpreter)")
+PROMPTS = [[3, 17, 99, 4, 250, 31, 7, 507], [9, 120, 44, 2, 300, 8, 61, 5]]
+STEPS = 16
+
+
+@pytest.fixture(autouse=True)
+def _device():
+    yield from kernel_device(DEVICE, INTERPRET, HAS_TRITON)
+
+
+@_jit
+def _pieces_kernel(out_ptr, nbytes, nprog, LANES: tl.constexpr):
+    # out [nprog, LANES, 2] int64: (start, size) of every lane of every program, 0 where the
+    # program takes no part (as prefetch_l2 decides)
+    pid = tl.program_id(0)
+    n = tl.minimum(nprog, l2_prefetch.L2_PROGRAMS)
+    for i in tl.static_range(LANES):
+        start, size = l2_prefetch.piece(nbytes, pid, n, i)
+        take = pid < n
+        tl.store(out_ptr + (pid * LANES + i) * 2, tl.where(take, start, 0).to(tl.int64))
+        tl.store(out_ptr + (pid * LANES + i) * 2 + 1, tl.where(take, size, 0).to(tl.int64))
+
+
+@pytest.mark.parametrize("nbytes,nprog", [(16, 1), (4096, 3), (6_553_600, 492), (160, 200),
+                                          (16 << 20, 31), (931_840, 640), (48, 128)])
+def test_pieces_tile_the_range_once_on_the_16_byte_grid(nbytes, nprog):
+    lanes = l2_prefetch.L2_LANES
+    out = torch.full((nprog, lanes, 2), -1, dtype=torch.int64, device=DEVICE)
+    _pieces_kernel[(nprog,)](out, nbytes, nprog, LANES=lanes)
+    got = sorted((s, n) for s, n in out.view(-1, 2).tolist() if n > 0)
+    assert all(s % 16 == 0 and n % 16 == 0 for s, n in got)
+    pos = 0
+    for s, n in got:  # sorted by start: contiguous, no gap, no overlap
+        assert s == pos, (s, pos)
+        pos += n
+    assert pos == nbytes
+    # the programs past L2_PROGRAMS issue nothing
+    assert (out[l2_prefetch.L2_PROGRAMS:, :, 1] == 0).all()
+
+
+def _run(m, batch, graph: bool, l2pf: int, early: bool):
+    with l2_prefetch_kernels(l2pf), gdn_early_state_kernels(early):  # fixed at capture
+        steps = list(generate(m, batch, STEPS, resident_backend(m), graph=graph))
+    return [s.tokens for s in steps], torch.stack([s.logits for s in steps]).cpu()
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    assert torch.equal(a[1].view(torch.int16), b[1].view(torch.int16))
+
+
+def _switches_reach_the_kernels(m):
+    # non-vacuity: with the switch on, this GPU's kernels get the prefetch (and without, not)
+    w = m.weights["lm_head.weight"]
+    with l2_prefetch_kernels(16):
+        assert l2_prefetch.target(w, w)["L2PF"] and 0 < l2_prefetch.span(w) <= 16 << 20
+    assert not l2_prefetch.target(w, w)["L2PF"]
+
+
+@needs_hopper
+@pytest.mark.parametrize("rows", [1, 2])
+def test_l2_prefetch_and_early_state_change_no_bit_tiny(rows):
+    from ftchat.model.synth_memory import synthetic_model
+
+    m = synthetic_model("tiny", 4, "nvfp4-modelopt", "cuda", torch.bfloat16, dense="nvfp4")
+    _switches_reach_the_kernels(m)
+    batch = PROMPTS[:rows]
+    off = _run(m, batch, graph=True, l2pf=0, early=False)
+    _same(_run(m, batch, graph=True, l2pf=16, early=True), off)
+    _same(_run(m, batch, graph=True, l2pf=1, early=False), off)  # a cap below most weights
+    _same(_run(m, batch, graph=False, l2pf=16, early=True), off)
+
+
+@needs_hopper
+def test_l2_prefetch_and_early_state_change_no_bit_flash_next():
+    from ftchat.model.synth_memory import synthetic_model
+
+    # layers 0-3: three GDN layers (layer 1 with PLE) and a QSA layer at the real geometry
+    m = synthetic_model("flash-next", 4, "nvfp4-modelopt", "cuda", torch.bfloat16, dense="nvfp4")
+    _switches_reach_the_kernels(m)
+    off = _run(m, PROMPTS[:1], graph=True, l2pf=0, early=False)
+    _same(_run(m, PROMPTS[:1], graph=True, l2pf=16, early=True), off)
+    _same(_run(m, PROMPTS[:1], graph=False, l2pf=16, early=True), off)

@@ -1,0 +1,212 @@
+"""L2 prefetch (ftchat/kernels/l2_prefetch.py): where it is on, and what the kernels compile to.
+
+Off the GPU, with the switch off, or for a range off the 16-byte grid, no kernel prefetches
+(`target` / `rows_target` give L2PF False). With the switch on, each prefetching wrapper hands
+its kernel a range, and that kernel compiles for sm_90 (ptxas included) to the bulk prefetch
+instruction, once per lane (L2_LANES) and per call site; the same launch with L2PF False has
+none (the control). The compile needs Triton but no GPU, so this runs wherever Triton is
+installed (a CPU-only install without Triton skips it; the GPU tier runs the kernels:
+tests/gpu/test_l2_prefetch_gpu.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ftchat.kernels import L2_PREFETCH, l2_prefetch, l2_prefetch_kernels
+
+INSTRUCTION = "cp.async.bulk.prefetch.L2.global"
+
+
+def test_nothing_is_prefetched_off_the_gpu_or_with_the_switch_off():
+    w = torch.zeros(64, 64, dtype=torch.bfloat16)
+    assert L2_PREFETCH.value == 0  # the default until measured
+    assert l2_prefetch.target(w, w) == {"pf_ptr": w, "pf_bytes": 0, "L2PF": False}
+    with l2_prefetch_kernels(16):  # on, but a CPU tensor
+        assert l2_prefetch.span(w) == 0 and not l2_prefetch.rows_target(w, 0, 4096)["L2PF"]
+    assert l2_prefetch.target(None, w)["L2PF"] is False
+
+
+def test_span_is_capped_aligned_and_skips_what_the_instruction_cannot_take(monkeypatch):
+    monkeypatch.setattr(l2_prefetch, "enabled", lambda device: True)
+    big = torch.zeros(3 << 20, dtype=torch.bfloat16)  # 6 MiB
+    with l2_prefetch_kernels(4):
+        assert l2_prefetch.span(big) == 4 << 20  # capped at the switch's MiB
+        assert l2_prefetch.span(big[:1000]) == 2000  # whole, rounded down to 16 bytes: 2000
+        assert l2_prefetch.span(big[:1001]) == 2000
+        assert l2_prefetch.span(big[1:]) == 0  # starts off the 16-byte grid
+        assert l2_prefetch.span(big.view(-1, 2).t()) == 0  # not contiguous
+        assert l2_prefetch.rows_target(big, 128, 10_008) == {"pf_off": 128, "pf_bytes": 10_000,
+                                                               "L2PF": True}
+        assert not l2_prefetch.rows_target(big, 8, 10_000)["L2PF"]  # offset off the grid
+    assert l2_prefetch.span(big) == 0  # the switch back off
+
+
+# ===== what the kernels compile to (Triton, no GPU) =====
+
+
+class _Recorder:
+    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch."""
+
+    def __init__(self, fn, launches: list):
+        self.fn, self.launches = fn, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
+
+
+_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
+          torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
+
+
+def _compile_ptx(fn, args: tuple, kwargs: dict) -> str:
+    # the kernel as a launch with these arguments would compile it for sm_90: its PTX (the
+    # cubin is built too, so ptxas checks it)
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items()
+                                               if k not in _OPTIONS}
+    signature, constexprs = {}, {}
+    for p in fn.params:
+        v = values[p.name]
+        if p.is_constexpr:
+            signature[p.name], constexprs[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = "*" + _TYPES[v.dtype]
+        elif isinstance(v, bool):
+            signature[p.name] = "i1"
+        elif isinstance(v, int):
+            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        else:
+            signature[p.name] = "fp32"
+    options = {k: kwargs[k] for k in ("num_warps", "enable_fp_fusion") if k in kwargs}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs),
+                              target=GPUTarget("cuda", 90, 32), options=options)
+    assert compiled.asm["cubin"]
+    return compiled.asm["ptx"]
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """Kernel launches of the wrappers called in the test, recorded instead of run, with the
+    switch on (16 MiB) and the GPU check passed."""
+    pytest.importorskip("triton")
+    from ftchat.kernels import gdn_decode, gemv, hyper, qsa_decode
+    from ftchat.offload import expert_kernels
+
+    rec: list = []
+    for mod, name in ((hyper, "_down_split_kernel"), (hyper, "_up_split_kernel"),
+                      (gemv, "_gemv_kernel"), (gdn_decode, "_gdn_decode_kernel"),
+                      (qsa_decode, "_prep_kernel"), (expert_kernels, "_gate_up_v4_kernel"),
+                      (expert_kernels, "_down_combine_kernel")):
+        monkeypatch.setattr(mod, name, _Recorder(getattr(mod, name), rec))
+    monkeypatch.setattr(l2_prefetch, "enabled", lambda device: True)
+    with l2_prefetch_kernels(16):
+        yield rec
+
+
+def _count(ptx: str) -> int:
+    return sum(INSTRUCTION in line for line in ptx.splitlines())
+
+
+def _check(rec: list, expect: dict[str, int]):
+    # each recorded kernel: L2PF as expected, and that many prefetch instructions in its PTX
+    got = {}
+    for fn, args, kwargs in rec:
+        name = fn.fn.__name__
+        assert kwargs.get("L2PF", False) == (expect[name] > 0), name
+        got[name] = _count(_compile_ptx(fn, args, kwargs))
+    assert got == {k: v * l2_prefetch.L2_LANES for k, v in expect.items()}
+
+
+def test_hc_read_kernels_compile_to_the_prefetch(launches):
+    from ftchat.kernels import hyper
+
+    D, hc, L = 256, 4, 64
+    w = {"hc_norm.weight": torch.zeros(hc * D, dtype=torch.bfloat16),
+         "input_mix_weight_down.weight": torch.zeros(L, hc * D, dtype=torch.bfloat16),
+         "input_mix_weight_up.weight": torch.zeros(hc * D, L, dtype=torch.bfloat16),
+         "block_inject_weight.weight": torch.zeros(hc, hc * D, dtype=torch.bfloat16)}
+    R = torch.zeros(1, hc * D, dtype=torch.bfloat16)
+    nxt = torch.zeros(512, D, dtype=torch.bfloat16)
+    hyper.hc_mix_triton(R, w, hc, 1e-6, R[:, :D].clone(), R[:, :hc].clone(), prefetch=nxt)
+    _check(launches, {"_down_split_kernel": 1, "_up_split_kernel": 1})
+
+
+def test_hc_read_without_a_next_weight_prefetches_only_w_up(launches):
+    from ftchat.kernels import hyper
+
+    D, hc, L = 256, 4, 64
+    w = {"hc_norm.weight": torch.zeros(hc * D, dtype=torch.bfloat16),
+         "input_mix_weight_down.weight": torch.zeros(L, hc * D, dtype=torch.bfloat16),
+         "input_mix_weight_up.weight": torch.zeros(hc * D, L, dtype=torch.bfloat16)}
+    hyper.hc_mix_triton(torch.zeros(1, hc * D, dtype=torch.bfloat16), w, hc, 1e-6, inject=False)
+    _check(launches, {"_down_split_kernel": 1, "_up_split_kernel": 0})
+
+
+def test_gemv_compiles_to_the_prefetch_and_its_control_without(launches):
+    from ftchat.kernels import gemv
+
+    x, w = torch.zeros(1, 512, dtype=torch.bfloat16), torch.zeros(256, 512, dtype=torch.bfloat16)
+    gemv.linear_triton(x, w, prefetch=torch.zeros(1024, dtype=torch.bfloat16))
+    gemv.linear_triton(x, w)  # the control: no next weight, no instruction
+    (f1, a1, k1), (f2, a2, k2) = launches
+    assert k1["L2PF"] and not k2["L2PF"]
+    assert _count(_compile_ptx(f1, a1, k1)) == l2_prefetch.L2_LANES
+    assert _count(_compile_ptx(f2, a2, k2)) == 0
+
+
+@pytest.mark.parametrize("early", [False, True])
+def test_gdn_recurrence_compiles_to_the_prefetch(launches, early):
+    from ftchat.kernels import GDN_EARLY_STATE, gdn_decode
+
+    Hk, Hv, dk, dv, Kc = 2, 4, 32, 32, 4
+    C = 2 * Hk * dk + Hv * dv
+    N = C + Hv * dv + 2 * Hv
+    bf = dict(dtype=torch.bfloat16)
+    with GDN_EARLY_STATE.set(early):
+        gdn_decode.gdn_decode_step(
+            torch.zeros(1, N, **bf), torch.zeros(1, C, Kc - 1, **bf),
+            torch.zeros(1, Hv, dk, dv), torch.zeros(C, 1, Kc, **bf), torch.zeros(Hv),
+            torch.zeros(Hv), torch.zeros(dv, **bf), (Hk, Hv, dk, dv), 1e-6, "sigmoid",
+            prefetch=torch.zeros(256, Hv * dv, **bf))
+    assert launches[0][2]["EARLY"] is early
+    _check(launches, {"_gdn_decode_kernel": 1})
+
+
+def test_qsa_prep_compiles_to_the_prefetch(launches):
+    from ftchat.kernels import qsa_decode as qd
+
+    dims = qd.QsaDims(heads=4, kv_heads=2, head_dim=64, index_heads=2, index_dim=64,
+                      rotary_dim=16, ratio=4)
+    L, bf = 64, dict(dtype=torch.bfloat16)
+    cache = {"k": torch.zeros(1, L, 2, 64, **bf), "v": torch.zeros(1, L, 2, 64, **bf),
+             "ik": torch.zeros(1, L, 64, **bf), "kbar": torch.zeros(1, L // 4, 64, **bf)}
+    norms = (torch.zeros(64, **bf), torch.zeros(64, **bf), torch.zeros(64, **bf),
+             torch.zeros(64, **bf))
+    qd.qsa_prep(torch.zeros(1, dims.proj_width, **bf), torch.zeros(1, 1, dtype=torch.int64),
+                cache, norms, dims, 1e-6, 1e7, prefetch=torch.zeros(256, 256, **bf))
+    _check(launches, {"_prep_kernel": 1})
+
+
+def test_routed_kernel_1_compiles_to_the_prefetch_of_its_down_rows(launches):
+    from ftchat.model.rows import RowLayout
+    from ftchat.offload import expert_kernels as ek
+
+    layout = RowLayout("nvfp4", 512, 64)
+    tiles = dataclasses.replace(ek.V4_TILES_BS1)
+    assert ek.v4_applies(layout, tiles)
+    bank = torch.zeros(4, layout.nbytes, dtype=torch.uint8)
+    slots = torch.tensor([[0, 2]], dtype=torch.int32)
+    ek.routed_experts_triton(torch.zeros(1, 512, dtype=torch.bfloat16), bank, layout, slots,
+                             torch.zeros(1, 2, dtype=torch.bfloat16), tiles=tiles)
+    k1 = launches[0][2]
+    down = next(p.offset for p in layout.parts if p.name == "down")
+    assert (k1["pf_off"], k1["pf_bytes"]) == (down, layout.nbytes - down)
+    _check(launches, {"_gate_up_v4_kernel": 1, "_down_combine_kernel": 0})
