@@ -210,3 +210,25 @@ def test_routed_kernel_1_compiles_to_the_prefetch_of_its_down_rows(launches):
     down = next(p.offset for p in layout.parts if p.name == "down")
     assert (k1["pf_off"], k1["pf_bytes"]) == (down, layout.nbytes - down)
     _check(launches, {"_gate_up_v4_kernel": 1, "_down_combine_kernel": 0})
+
+
+def test_shared_down_gemv_compiles_to_the_prefetch_of_the_routed_rows(launches):
+    from ftchat.kernels import gemv
+    from ftchat.model.rows import RowLayout
+
+    layout = RowLayout("nvfp4", 512, 64)
+    bank = torch.zeros(4, layout.nbytes, dtype=torch.uint8)
+    slots = torch.tensor([[0, 2]], dtype=torch.int32)
+    gu, w = torch.zeros(1, 129, dtype=torch.bfloat16), torch.zeros(512, 64, dtype=torch.bfloat16)
+    rows = l2_prefetch.Rows(bank, slots, 0, 4096)
+    gemv.linear_gated_triton(gu, w, prefetch_rows=rows)
+    gemv.linear_gated_triton(gu, w)  # the control
+    (f1, a1, k1), (f2, a2, k2) = launches
+    assert k1["L2ROWS"] and (k1["PR_N"], k1["pr_row"], k1["pr_bytes"]) == (2, layout.nbytes, 4096)
+    assert not k2["L2ROWS"] and not k1["L2PF"]
+    assert _count(_compile_ptx(f1, a1, k1)) == l2_prefetch.L2_LANES
+    assert _count(_compile_ptx(f2, a2, k2)) == 0
+    # more rows than programs to share them: none
+    many = l2_prefetch.Rows(bank, torch.zeros(1, l2_prefetch.L2_PROGRAMS + 1, dtype=torch.int32),
+                            0, 4096)
+    assert not l2_prefetch.rows_args(many, gu)["L2ROWS"]

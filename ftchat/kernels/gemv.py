@@ -66,7 +66,8 @@ from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
-from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
+from ftchat.kernels.l2_prefetch import (Rows, prefetch_l2, prefetch_rows, rows_args,
+                                        target as l2_target)
 from ftchat.kernels.router import _topk_row
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
@@ -158,7 +159,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
                  X_SR: tl.constexpr, GATED: tl.constexpr, U_OFF: tl.constexpr,
                  lg_ptr, L_SR, ids_ptr, tw_ptr, TOPK: tl.constexpr, R0: tl.constexpr,
                  TE: tl.constexpr, TKP: tl.constexpr, TBE: tl.constexpr, TNORM: tl.constexpr,
-                 pf_ptr, pf_bytes, L2PF: tl.constexpr, PDL: tl.constexpr):
+                 pf_ptr, pf_bytes, L2PF: tl.constexpr, pr_bank, pr_slots, pr_row, pr_off,
+                 pr_bytes, PR_N: tl.constexpr, L2ROWS: tl.constexpr, PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT); x [rows, K] (row stride X_SR), w [N, K] -> out [rows, N]
     (x's dtype). GATED: the input is h = silu(g) * u, g = x[:, :K], u = x[:, U_OFF:U_OFF + K]
     (`_silu_mul`), computed where x would be loaded (each program for its own chunk).
@@ -170,7 +172,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
     kept [BLOCK_N, RB] so a row's dot product lands in it without a layout change). SPLIT 1:
     out = round(acc). Else acc -> part[s] (fp32 [SPLIT, rows, N]); the last program of block p
     to arrive (counter cnt[p], left 0) stores round(part[0] + part[1] + ... + part[SPLIT-1]).
-    L2PF: the programs first ask L2 for pf_bytes at pf_ptr (the next kernel's weight).
+    L2PF: the programs first ask L2 for pf_bytes at pf_ptr (the next kernel's weight). L2ROWS:
+    after the wait, for pr_bytes from pr_off of the PR_N bank rows at pr_slots (the routed
+    experts' rows the next kernel reads; l2_prefetch.prefetch_rows).
     """
     pdl_release(PDL)
     p, s = tl.program_id(0), tl.program_id(1)
@@ -188,6 +192,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
     w = tl.load(w_ptr + nn * K + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
                 other=0.0)  # [BLOCK_N, BLOCK_K], all of it in flight at once
     pdl_wait(PDL)
+    prefetch_rows(pr_bank, pr_slots, pr_row, pr_off, pr_bytes, s * tl.num_programs(0) + p, PR_N,
+                  L2ROWS)
     acc = _chunk_dot(w, x_ptr, k, k_end, rows, bb, tl.zeros([BLOCK_N, RB], dtype=tl.float32),
                      X_SR, RB, GATED, U_OFF, BF16)
     for kb in range(k0 + BLOCK_K, k_end, BLOCK_K):
@@ -263,19 +269,23 @@ def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None,
 
 
 @family("gemv")
-def linear_gated_triton(gu: Tensor, w: Tensor, tiles: GemvTiles | None = None) -> Tensor:
+def linear_gated_triton(gu: Tensor, w: Tensor, tiles: GemvTiles | None = None,
+                        prefetch_rows: Rows | None = None) -> Tensor:
     """F.linear(silu(g) * u, w) for g = gu[..., :K], u = gu[..., K:2K] (K = w.shape[1]; gu [...,
     >= 2K], rows may be strided: the shared expert's fused GEMV output [gate | up | ...]), with
     the roundings of `shared_act_triton` then `linear_triton` (silu and product rounded to the
     model dtype, fp32 accumulation, one rounding): bit-identical to that pair with the same
     tiles, in one launch. Each program computes h for its own chunk of K (cheap at the shared
-    down's K = 640), so h never goes through memory. Otherwise as `linear_triton`."""
+    down's K = 640), so h never goes through memory. Otherwise as `linear_triton`; its programs
+    ask L2 for prefetch_rows (the routed experts' rows read next) where kernels.L2_PREFETCH is
+    on."""
     K = w.shape[1]
     assert gu.shape[-1] >= 2 * K, f"gu [..., >= 2K], K = {K}: not {tuple(gu.shape)}"
     gu2 = gu.reshape(-1, gu.shape[-1])
     if gu2.stride(-1) != 1:
         gu2 = gu2.contiguous()
-    return _launch(gu2, gu.shape[:-1], w, tiles, gated=True)[0]
+    return _launch(gu2, gu.shape[:-1], w, tiles, gated=True,
+                   prefetch_rows=prefetch_rows)[0]
 
 
 @family("gemv")
@@ -303,8 +313,8 @@ def linear_topk_triton(x: Tensor, w: Tensor, experts: int, k: int, norm_topk_pro
 
 
 def _launch(x2: Tensor, lead: torch.Size, w: Tensor, tiles: GemvTiles | None, gated: bool,
-            route: tuple[int, int, bool] | None = None, prefetch: Tensor | None = None
-            ) -> tuple[Tensor, Tensor, Tensor]:
+            route: tuple[int, int, bool] | None = None, prefetch: Tensor | None = None,
+            prefetch_rows: Rows | None = None) -> tuple[Tensor, Tensor, Tensor]:
     # x2 [rows, >= K] (unit column stride; gated: [g | u | ...] with >= 2K columns) -> (y
     # [*lead, N], ids [rows, k], weights [rows, k]); route (experts E, k, norm): the top-k of
     # y's last E columns too (else ids, weights are y)
@@ -340,7 +350,8 @@ def _launch(x2: Tensor, lead: torch.Size, w: Tensor, tiles: GemvTiles | None, ga
         X_SR=x2.stride(0) if rows > 1 else K, GATED=gated, U_OFF=K if gated else 0,
         lg_ptr=lg, L_SR=N, ids_ptr=ids, tw_ptr=tw, TOPK=k, R0=N - E, TE=E,
         TKP=max(2, triton.next_power_of_2(k)), TBE=triton.next_power_of_2(max(E, 1)),
-        TNORM=norm, num_warps=t.warps, **l2_target(prefetch, x2), **pdl_launch(x2))
+        TNORM=norm, num_warps=t.warps, **l2_target(prefetch, x2), **rows_args(prefetch_rows, x2),
+        **pdl_launch(x2))
     return out.view(*lead, N), ids, tw
 
 

@@ -29,6 +29,8 @@ there and the kernels compile without it.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -76,6 +78,31 @@ def prefetch_l2(ptr, nbytes, pid, nprog, ON: tl.constexpr):
                                           dtype=tl.int32, is_pure=False, pack=1)
 
 
+@_jit
+def prefetch_rows(bank_ptr, slots_ptr, row_bytes, off, nbytes, pid, NROWS: tl.constexpr,
+                  ON: tl.constexpr):
+    """The first L2_PROGRAMS programs (by pid) ask L2 for [off, off + nbytes) of the NROWS bank
+    rows at slots[0..NROWS) (int32 or int64; read here: call after the PDL wait), each row by
+    L2_PROGRAMS // NROWS of them. ON False: compiles to nothing."""
+    if ON:
+        per = _PROGRAMS // NROWS
+        part = pid // NROWS
+        if part < per:
+            slot = tl.load(slots_ptr + pid % NROWS).to(tl.int64)
+            base = bank_ptr.to(tl.pointer_type(tl.int8)) + slot * row_bytes + off
+            prefetch_l2(base, nbytes, part, per, True)
+
+
+class Rows(NamedTuple):
+    """Rows a kernel asks L2 for once it has read their slot ids: part [offset, offset + nbytes)
+    of rows slots [T, K] of bank [S, R] uint8."""
+
+    bank: Tensor
+    slots: Tensor
+    offset: int
+    nbytes: int
+
+
 def enabled(device: torch.device) -> bool:
     """Whether decode kernels on device prefetch: the switch on, a CUDA GPU of sm_90+ (the
     instruction's), not the interpreter."""
@@ -113,3 +140,16 @@ def rows_target(bank: Tensor, offset: int, nbytes: int) -> dict:
     if enabled(bank.device) and bank.data_ptr() % ALIGN == 0 and offset % ALIGN == 0:
         n = min(nbytes, cap_bytes()) // ALIGN * ALIGN
     return dict(pf_off=offset, pf_bytes=n, L2PF=n > 0)
+
+
+def rows_args(rows: Rows | None, like: Tensor) -> dict:
+    """Launch arguments of `prefetch_rows` for rows (None, the switch off, too many rows for
+    the programs, or a range off the 16-byte grid: L2ROWS False, the pointers `like`)."""
+    if rows is not None:
+        n = rows.slots.numel()
+        t = rows_target(rows.bank, rows.offset, rows.nbytes)
+        if t["L2PF"] and 0 < n <= L2_PROGRAMS and rows.slots.is_contiguous():
+            return dict(pr_bank=rows.bank, pr_slots=rows.slots, pr_row=rows.bank.shape[1],
+                        pr_off=rows.offset, pr_bytes=t["pf_bytes"], PR_N=n, L2ROWS=True)
+    return dict(pr_bank=like, pr_slots=like, pr_row=0, pr_off=0, pr_bytes=0, PR_N=1,
+                L2ROWS=False)

@@ -607,20 +607,27 @@ def _shared_args(x: Tensor, shared: SharedOut | None) -> dict:
     return dict(s_ptr=down, gl_ptr=logit, GL_STRIDE=logit.stride(0), SHARED=True)
 
 
-def shared_down(shared: SharedIn) -> SharedOut:
+def shared_down(shared: SharedIn, prefetch_rows: l2_prefetch.Rows | None = None) -> SharedOut:
     """The shared expert's down output for its own launch: where the GEMV kernel applies
     (`gemv.dispatches`: bs <= 2) one launch computes h = silu(g) * u from proj's columns itself
     (`gemv.linear_gated_triton`, bit-identical to the pair below); else silu(g) * u in one kernel
-    (`shared_act_triton`) and `gemv.linear` (F.linear)."""
+    (`shared_act_triton`) and `gemv.linear` (F.linear). prefetch_rows: the routed experts' rows
+    the next kernel reads, asked of L2 by that GEMV where kernels.L2_PREFETCH is on."""
     proj, down_w = shared
     I = down_w.shape[1]
     if gemv.dispatches(proj[:, :I], down_w):
-        down = gemv.linear_gated_triton(proj, down_w)  # [T, D]
+        down = gemv.linear_gated_triton(proj, down_w, prefetch_rows=prefetch_rows)  # [T, D]
     elif proj.is_cuda and HAS_TRITON:
         down = gemv.linear(shared_act_triton(proj, I), down_w)
     else:  # the torch expressions (CPU)
         down = F.linear(F.silu(proj[:, :I]) * proj[:, I:2 * I], down_w)
     return SharedOut(down, shared.gate_logit)
+
+
+def _gate_up_bytes(layout: RowLayout) -> int:
+    # the leading part of a row that kernel 1 reads: gate_up and its scales / globals, up to
+    # the down part (row layouts put gate_up first)
+    return next(p.offset for p in layout.parts if p.name == "down")
 
 
 def _fold_tiles(x: Tensor, shared: SharedIn, tiles: DecodeTiles) -> tuple[int, int] | None:
@@ -684,8 +691,8 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     fold = None  # (SharedIn, the shared down GEMV's tiles) when kernel 1 runs that GEMV
     if isinstance(shared, SharedIn):
         tile = _fold_tiles(x, shared, tiles)
-        if tile is None:
-            shared = shared_down(shared)  # its own launch, before kernel 1
+        if tile is None:  # its own launch, before kernel 1: it asks L2 for kernel 1's rows
+            shared = shared_down(shared, l2_prefetch.Rows(bank, slots, 0, _gate_up_bytes(layout)))
         else:
             fold = (shared, tile)
             shared = SharedOut(torch.empty_like(x), shared.gate_logit)  # kernel 1 writes it
