@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import GDN_EARLY_STATE, HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels import (GDN_EARLY_STATE, HAS_TRITON, jit as _jit, pdl_launch, tl,  # noqa: F401
+                            triton)
 from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait

@@ -624,9 +624,9 @@ def shared_down(shared: SharedIn, prefetch_rows: l2_prefetch.Rows | None = None)
     return SharedOut(down, shared.gate_logit)
 
 
-def _gate_up_bytes(layout: RowLayout) -> int:
-    # the leading part of a row that kernel 1 reads: gate_up and its scales / globals, up to
-    # the down part (row layouts put gate_up first)
+def _down_at(layout: RowLayout) -> int:
+    # where a row's down part starts: kernel 1 reads the bytes before it (gate_up, its scales
+    # and globals come first), kernel 2 those from it to the row's end
     return next(p.offset for p in layout.parts if p.name == "down")
 
 
@@ -692,7 +692,7 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
     if isinstance(shared, SharedIn):
         tile = _fold_tiles(x, shared, tiles)
         if tile is None:  # its own launch, before kernel 1: it asks L2 for kernel 1's rows
-            shared = shared_down(shared, l2_prefetch.Rows(bank, slots, 0, _gate_up_bytes(layout)))
+            shared = shared_down(shared, l2_prefetch.Rows(bank, slots, 0, _down_at(layout)))
         else:
             fold = (shared, tile)
             shared = SharedOut(torch.empty_like(x), shared.gate_logit)  # kernel 1 writes it
@@ -720,7 +720,7 @@ def routed_experts_triton(x: Tensor, bank: Tensor, layout: RowLayout, slots: Ten
             fargs = dict(gu_ptr=gu, sw_ptr=sw, s_ptr=shared.down, rows=T,
                          GU_SR=gu.stride(0) if T > 1 else SI, SI=SI, SBN=bn, SBK=bk,
                          SRB=_rows_block(T), SHARED_DOWN=True)
-        down_at = next(p.offset for p in layout.parts if p.name == "down")  # down .. row end
+        down_at = _down_at(layout)
         _gate_up_v4_kernel[(T * K + extra, I // n1)](
             x, *banks, slots, h, *strides, D=D, I=I, K=K, W_OFF=gate_up["W_OFF"],
             S_OFF=gate_up["S_OFF"], G_OFF=gate_up["G_OFF"], HB=n1, BLOCK_K=tiles.gate_up_k,
