@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Session 22's device calls (written without a device; not yet run), from the repository root:
 #   run(command="bash benchmarks/device_s22.sh MODE", timeout_s=600)
-#   tests    the L2 prefetch and GDN early-state code on the GPU: its identity tests (on == off
-#            bit for bit, graph and eager, tiny and flash-next x4), the sm_90 compile tests with
-#            the device's Triton, and the test files of every kernel it touched (HC, GEMV, GDN,
+#   tests    the session's switches on the GPU: their identity tests (L2 prefetch and the GDN
+#            early state on == off bit for bit, graph and eager, tiny and flash-next x4; the
+#            QSA GEMV graph == eager), the sm_90 compile tests with the device's Triton, and
+#            the test files of every kernel they touched (HC, GEMV incl. [13952, 2560], GDN,
 #            QSA, MoE, PDL); four shards at once, each under a timeout
 #   bench    48 layers resident (DENSE=nvfp4) at CTX (default 4k): `resident` beside the L2
-#            prefetch at 8 / 16 / 32 MiB and the GDN state before the wait (ARMS)
+#            prefetch at 8 / 16 / 32 MiB, the GDN state before the wait, the QSA projection
+#            through the Triton GEMV, and the three together (ARMS)
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}; mkdir -p "$O"
 stamp() { while IFS= read -r l; do echo "$(date +%T) $l"; done; }
@@ -14,7 +16,7 @@ case $1 in
   tests)
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py 2>&1 \
       | stamp > "$O/compile.log"; tail -2 "$O/compile.log"
-    python3 -m pytest -m gpu --collect-only -p no:cacheprovider ${TESTS:-tests/gpu/test_l2_prefetch_gpu.py \
+    python3 -m pytest -m gpu --collect-only -p no:cacheprovider ${TESTS:-tests/gpu/test_decode_switches_gpu.py \
       tests/gpu/test_pdl_gpu.py tests/gpu/test_gemv_gpu.py tests/gpu/test_hyper_router_gpu.py \
       tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_qsa_decode_gpu.py \
       tests/gpu/test_moe_fused_gpu.py} 2>/dev/null | grep '::' > "$O/ids.txt"
@@ -29,6 +31,6 @@ case $1 in
     grep -h "FAILED\|ERROR" "$O"/ptest_*.log | head -20 ;;
   bench)
     CTX=${CTX:-4k} DENSE=nvfp4 \
-      ARMS=${ARMS:-"resident;resident:l2pf=8;resident:l2pf=16;resident:l2pf=32;resident:gdnearly=1;resident:l2pf=16,gdnearly=1"} \
+      ARMS=${ARMS:-"resident;resident:l2pf=8;resident:l2pf=16;resident:l2pf=32;resident:gdnearly=1;resident:qsagemv=1;resident:l2pf=16,gdnearly=1,qsagemv=1"} \
       bash benchmarks/device_bench48.sh resident ;;
 esac

@@ -6,7 +6,7 @@ its kernel a range, and that kernel compiles for sm_90 (ptxas included) to the b
 instruction, once per lane (L2_LANES) and per call site; the same launch with L2PF False has
 none (the control). The compile needs Triton but no GPU, so this runs wherever Triton is
 installed (a CPU-only install without Triton skips it; the GPU tier runs the kernels:
-tests/gpu/test_l2_prefetch_gpu.py).
+tests/gpu/test_decode_switches_gpu.py).
 """
 
 from __future__ import annotations

@@ -82,11 +82,17 @@ L2_PREFETCH = Switch(0)
 # the GDN recurrence kernel loads its state slice before the PDL wait (no kernel of the step
 # before it writes the state); off: after the wait. Off until measured (bench's gdnearly=1)
 GDN_EARLY_STATE = Switch(False)
+# the QSA layers' fused input projection [13952, 2560] through the Triton GEMV (gemv.linear: a
+# PDL kernel, so no plain cuBLAS launch breaks the chain there) instead of cuBLAS, which
+# measured 5-20 % faster alone at that size (bench_gemv.py); off until measured in the chain
+# (bench's qsagemv=1)
+QSA_PROJ_GEMV = Switch(False)
 fused_kernels, pdl_kernels = FUSED.set, PDL.set
 rowloop_kernels, one_row_kernels = ROWLOOP.set, ONE_ROW.set
 hc_one_launch_kernels = HC_ONE_LAUNCH.set
 shared_fold_kernels, slot_view_kernels = SHARED_FOLD.set, SLOT_VIEW.set
 l2_prefetch_kernels, gdn_early_state_kernels = L2_PREFETCH.set, GDN_EARLY_STATE.set
+qsa_proj_gemv_kernels = QSA_PROJ_GEMV.set
 
 
 def use_fused(t) -> bool:

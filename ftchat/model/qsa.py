@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import gemv, use_fused
+from ftchat.kernels import QSA_PROJ_GEMV, gemv, use_fused
 from ftchat.kernels.qsa_decode import (QsaDims, qsa_attention, qsa_decode_supported, qsa_prep,
                                        qsa_rank_keys)
 from ftchat.kernels.topk_select import topk_keys
@@ -403,9 +403,10 @@ def decode_input_weight(w: dict) -> Tensor | None:
 
 def fused_projection(x: Tensor, w: dict) -> Tensor:
     """proj [B, NP] = [q|gate | k | v | index q|k] of x [B, D]: one GEMV on w[FUSED] when the
-    load fused the four weights (`fuse_qsa_projections`), else four."""
+    load fused the four weights (`fuse_qsa_projections`), else four. cuBLAS, or the Triton
+    GEMV where kernels.QSA_PROJ_GEMV is on (`gemv.linear`: CUDA, <= 2 rows)."""
     if FUSED in w:
-        return F.linear(x, w[FUSED])
+        return gemv.linear(x, w[FUSED]) if QSA_PROJ_GEMV.value else F.linear(x, w[FUSED])
     return torch.cat([F.linear(x, w[n]) for n in PROJECTIONS], dim=-1)
 
 

@@ -52,7 +52,8 @@ pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = os.environ.get("FTCHAT_TEST_DEVICE", "cpu" if INTERPRET else "cuda")
 BF16, FP32 = torch.bfloat16, torch.float32
-REAL = [(2560, 6144), (1281, 2560), (2560, 640), (512, 2560), (16480, 2560)]  # N, K
+# N, K; (13952, 2560): the QSA fused projection (kernels.QSA_PROJ_GEMV)
+REAL = [(2560, 6144), (1281, 2560), (2560, 640), (512, 2560), (16480, 2560), (13952, 2560)]
 ODD = [(37, 100), (1, 7), (130, 1000)]  # masked N tails and K tails, N = 1
 
 

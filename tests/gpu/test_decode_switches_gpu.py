@@ -1,15 +1,21 @@
-"""L2 prefetch of the next kernel's weights (ftchat/kernels/l2_prefetch.py) and the GDN state
-loaded before the PDL wait (kernels.GDN_EARLY_STATE).
+"""Session 22's decode-chain switches, off until measured: L2 prefetch of the next kernel's
+weights (ftchat/kernels/l2_prefetch.py), the GDN state loaded before the PDL wait
+(kernels.GDN_EARLY_STATE) and the QSA fused projection through the Triton GEMV
+(kernels.QSA_PROJ_GEMV).
 
-Both change when bytes move, never which bytes a kernel reads, so decode must give the same
-tokens and logits bit for bit with them on and off, in a captured graph and eagerly, on the tiny
-model and on two flash-next layers (the real geometry takes every prefetching kernel: HC read,
-NVFP4 GDN projection then the recurrence, QSA prep, the MoE GEMV, the v4 routed kernel 1).
-Non-vacuity: on the test's GPU the switch turns each kernel's prefetch on (`target` gives L2PF),
-and tests/test_l2_prefetch.py shows that L2PF compiles to the bulk prefetch instruction for
-sm_90. The split of a range among programs and lanes (`piece`) is checked in the interpreter too:
+The first two change when bytes move, never which bytes a kernel reads, so decode must give the
+same tokens and logits bit for bit with them on and off, in a captured graph and eagerly, on the
+tiny model and on four flash-next layers (the real geometry takes every prefetching kernel: HC
+read, NVFP4 GDN projection then the recurrence, QSA prep, the MoE GEMV, the shared down GEMV, the
+v4 routed kernel 1). Non-vacuity: on the test's GPU the switch turns each kernel's prefetch on
+(`target` gives L2PF), and tests/test_l2_prefetch.py shows that L2PF compiles to the bulk
+prefetch instruction for sm_90. The split of a range among programs and lanes (`piece`) is
+checked in the interpreter too:
     on CPU, Triton interpreter:  FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 \\
-        pytest -m gpu tests/gpu/test_l2_prefetch_gpu.py -k pieces
+        pytest -m gpu tests/gpu/test_decode_switches_gpu.py -k pieces
+The QSA GEMV changes the summation order of that projection (tests/gpu/test_gemv_gpu.py holds
+its tolerance at [13952, 2560]): here the projection is the GEMV's bits with the switch on and
+cuBLAS's without, and decode with it on replays its eager tokens and logits bit for bit.
 """
 
 from __future__ import annotations
@@ -20,8 +26,8 @@ import pytest
 import torch
 
 from ftchat.engine import generate, resident_backend
-from ftchat.kernels import (HAS_TRITON, gdn_early_state_kernels, jit as _jit, l2_prefetch,
-                            l2_prefetch_kernels, tl)
+from ftchat.kernels import (HAS_TRITON, gdn_early_state_kernels, gemv, jit as _jit,
+                            l2_prefetch, l2_prefetch_kernels, qsa_proj_gemv_kernels, tl)
 from tests.kernel_inputs import kernel_device
 
 pytestmark = pytest.mark.gpu
@@ -70,8 +76,9 @@ def test_pieces_tile_the_range_once_on_the_16_byte_grid(nbytes, nprog):
     assert (out[l2_prefetch.L2_PROGRAMS:, :, 1] == 0).all()
 
 
-def _run(m, batch, graph: bool, l2pf: int, early: bool):
-    with l2_prefetch_kernels(l2pf), gdn_early_state_kernels(early):  # fixed at capture
+def _run(m, batch, graph: bool, l2pf: int = 0, early: bool = False, qsagemv: bool = False):
+    with (l2_prefetch_kernels(l2pf), gdn_early_state_kernels(early),  # fixed at capture
+          qsa_proj_gemv_kernels(qsagemv)):
         steps = list(generate(m, batch, STEPS, resident_backend(m), graph=graph))
     return [s.tokens for s in steps], torch.stack([s.logits for s in steps]).cpu()
 
@@ -113,3 +120,21 @@ def test_l2_prefetch_and_early_state_change_no_bit_flash_next():
     off = _run(m, PROMPTS[:1], graph=True, l2pf=0, early=False)
     _same(_run(m, PROMPTS[:1], graph=True, l2pf=16, early=True), off)
     _same(_run(m, PROMPTS[:1], graph=False, l2pf=16, early=True), off)
+
+
+@needs_hopper
+def test_qsa_projection_takes_the_gemv_with_its_switch_and_decode_replays_eager():
+    import torch.nn.functional as F
+
+    from ftchat.model import qsa
+    from ftchat.model.synth_memory import synthetic_model
+
+    m = synthetic_model("tiny", 4, "nvfp4-modelopt", "cuda", torch.bfloat16, dense="nvfp4")
+    i = next(i for i in range(m.args.num_hidden_layers) if m.args.is_attention(i))
+    w = m.weights.layers[i]["self_attn"]
+    x = torch.randn(1, m.args.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(qsa.fused_projection(x, w), F.linear(x, w[qsa.FUSED]))
+    with qsa_proj_gemv_kernels(True):
+        assert torch.equal(qsa.fused_projection(x, w), gemv.linear_triton(x, w[qsa.FUSED]))
+    _same(_run(m, PROMPTS[:1], graph=True, qsagemv=True),
+          _run(m, PROMPTS[:1], graph=False, qsagemv=True))
