@@ -59,10 +59,10 @@ def _final_mixer_rows(monkeypatch) -> list[int]:
     # the rows each final mixer call (the only one without inject) gets, in order
     rows, real = [], qwen4_exp.hc_write_read
 
-    def spy(R, y, s, w, a, inject=True):
+    def spy(R, y, s, w, a, inject=True, prefetch=None):
         if not inject:
             rows.append(R.shape[0] * R.shape[1])
-        return real(R, y, s, w, a, inject)
+        return real(R, y, s, w, a, inject, prefetch)
 
     monkeypatch.setattr(qwen4_exp, "hc_write_read", spy)
     return rows
