@@ -61,7 +61,7 @@ def _profiled(m, ex, ids: torch.Tensor, chunk: int, top: int, at: int) -> dict:
 
 
 # the forward's parts timed one by one (synchronized around each call) by `_breakdown`
-PARTS = ("attention_mixer", "gdn_mixer", "moe_block", "hc_write_read", "ple_layer")
+PARTS = ("attention_mixer", "gdn_mixer", "moe_block", "hc_write_read", "ple_residual")
 
 
 def _breakdown(m, ex, ids: torch.Tensor, chunk: int, at: int) -> dict:

@@ -470,7 +470,8 @@ def bench_cmd(
              "launch, fold=1 the shared down GEMV inside the routed kernel, slotview=0 resident slots "
              "from two torch kernels a layer, l2pf=16 kernels ask L2 for up to 16 MiB of the next "
              "kernel's weights, gdnearly=1 the GDN state loaded before the PDL wait, "
-             "qsagemv=1 the QSA projection through the Triton GEMV; "
+             "qsagemv=1 the QSA projection through the Triton GEMV, plefused=1 the PLE layer "
+             "in two kernels; "
              "resident:skip=hc+gemv "
              "leaves kernel families out (their marginal cost; not the model's tokens)")]
     = "off;on;on:budget=4",

@@ -32,6 +32,7 @@ from ftchat.settings import Settings
     ("resident:slotview=no", "slotview='no': expected 1 or 0"),
     ("resident:gdnearly=2", "gdnearly='2': expected 1 or 0"),
     ("resident:qsagemv=yes", "qsagemv='yes': expected 1 or 0"),
+    ("resident:plefused=2", "plefused='2': expected 1 or 0"),
     ("resident:l2pf=-1", "l2pf='-1': expected MiB from 0 to 1024"),
     ("resident:l2pf=16MB", "l2pf='16MB': expected MiB from 0 to 1024"),
     ("resident:l2pf=2048", "l2pf='2048': expected MiB from 0 to 1024"),
@@ -148,17 +149,21 @@ def test_an_arms_fold_and_slotview_switches_hold_within_its_block():
     assert not SHARED_FOLD.value and SLOT_VIEW.value
 
 
-def test_an_arms_l2_prefetch_gdn_early_and_qsa_gemv_switches_hold_within_its_block():
+def test_an_arms_session_22_switches_hold_within_its_block():
     from ftchat.commands.bench import arm_kernels
-    from ftchat.kernels import GDN_EARLY_STATE, L2_PREFETCH, QSA_PROJ_GEMV
+    from ftchat.kernels import GDN_EARLY_STATE, L2_PREFETCH, PLE_FUSED, QSA_PROJ_GEMV
 
-    arms = parse_arms("resident;resident:l2pf=16,gdnearly=1,qsagemv=1;on:l2pf=8", Settings())
+    def values():
+        return (L2_PREFETCH.value, GDN_EARLY_STATE.value, QSA_PROJ_GEMV.value, PLE_FUSED.value)
+
+    name = "resident:l2pf=16,gdnearly=1,qsagemv=1,plefused=1"
+    arms = parse_arms(f"resident;{name};on:l2pf=8", Settings())
     r = arms["resident"]
-    assert r.l2_prefetch == 0 and not r.gdn_early_state and not r.qsa_proj_gemv
+    assert (r.l2_prefetch, r.gdn_early_state, r.qsa_proj_gemv, r.ple_fused) == (0, False, False,
+                                                                                False)
     assert arms["on:l2pf=8"].l2_prefetch == 8 and arms["on:l2pf=8"].settings.prefetch == "on"
-    arm = arms["resident:l2pf=16,gdnearly=1,qsagemv=1"]
-    off = (0, False, False)  # the defaults: off
-    assert (L2_PREFETCH.value, GDN_EARLY_STATE.value, QSA_PROJ_GEMV.value) == off
-    with arm_kernels(arm):
-        assert (L2_PREFETCH.value, GDN_EARLY_STATE.value, QSA_PROJ_GEMV.value) == (16, True, True)
-    assert (L2_PREFETCH.value, GDN_EARLY_STATE.value, QSA_PROJ_GEMV.value) == off
+    off = (0, False, False, False)  # the defaults: off
+    assert values() == off
+    with arm_kernels(arms[name]):
+        assert values() == (16, True, True, True)
+    assert values() == off

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from ftchat.kernels import L2_PREFETCH, l2_prefetch, l2_prefetch_kernels
+from tests.kernel_compile import Recorder, compile_ptx
 
 INSTRUCTION = "cp.async.bulk.prefetch.L2.global"
 
@@ -48,50 +49,6 @@ def test_span_is_capped_aligned_and_skips_what_the_instruction_cannot_take(monke
 # ===== what the kernels compile to (Triton, no GPU) =====
 
 
-class _Recorder:
-    """Stands in for a kernel: `kernel[grid](*args, **kwargs)` records the launch."""
-
-    def __init__(self, fn, launches: list):
-        self.fn, self.launches = fn, launches
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((self.fn, args, kwargs))
-
-
-_TYPES = {torch.bfloat16: "bf16", torch.float32: "fp32", torch.float16: "fp16",
-          torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
-_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl")
-
-
-def _compile_ptx(fn, args: tuple, kwargs: dict) -> str:
-    # the kernel as a launch with these arguments would compile it for sm_90: its PTX (the
-    # cubin is built too, so ptxas checks it)
-    triton = pytest.importorskip("triton")
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    values = dict(zip(fn.arg_names, args)) | {k: v for k, v in kwargs.items()
-                                               if k not in _OPTIONS}
-    signature, constexprs = {}, {}
-    for p in fn.params:
-        v = values[p.name]
-        if p.is_constexpr:
-            signature[p.name], constexprs[p.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            signature[p.name] = "*" + _TYPES[v.dtype]
-        elif isinstance(v, bool):
-            signature[p.name] = "i1"
-        elif isinstance(v, int):
-            signature[p.name] = "i32" if -2**31 <= v < 2**31 else "i64"
-        else:
-            signature[p.name] = "fp32"
-    options = {k: kwargs[k] for k in ("num_warps", "enable_fp_fusion") if k in kwargs}
-    compiled = triton.compile(ASTSource(fn, signature, constexprs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    assert compiled.asm["cubin"]
-    return compiled.asm["ptx"]
-
-
 @pytest.fixture
 def launches(monkeypatch):
     """Kernel launches of the wrappers called in the test, recorded instead of run, with the
@@ -105,7 +62,7 @@ def launches(monkeypatch):
                       (gemv, "_gemv_kernel"), (gdn_decode, "_gdn_decode_kernel"),
                       (qsa_decode, "_prep_kernel"), (expert_kernels, "_gate_up_v4_kernel"),
                       (expert_kernels, "_down_combine_kernel")):
-        monkeypatch.setattr(mod, name, _Recorder(getattr(mod, name), rec))
+        monkeypatch.setattr(mod, name, Recorder(getattr(mod, name), rec))
     monkeypatch.setattr(l2_prefetch, "enabled", lambda device: True)
     with l2_prefetch_kernels(16):
         yield rec
@@ -121,7 +78,7 @@ def _check(rec: list, expect: dict[str, int]):
     for fn, args, kwargs in rec:
         name = fn.fn.__name__
         assert kwargs.get("L2PF", False) == (expect[name] > 0), name
-        got[name] = _count(_compile_ptx(fn, args, kwargs))
+        got[name] = _count(compile_ptx(fn, args, kwargs))
     assert got == {k: v * l2_prefetch.L2_LANES for k, v in expect.items()}
 
 
@@ -158,8 +115,8 @@ def test_gemv_compiles_to_the_prefetch_and_its_control_without(launches):
     gemv.linear_triton(x, w)  # the control: no next weight, no instruction
     (f1, a1, k1), (f2, a2, k2) = launches
     assert k1["L2PF"] and not k2["L2PF"]
-    assert _count(_compile_ptx(f1, a1, k1)) == l2_prefetch.L2_LANES
-    assert _count(_compile_ptx(f2, a2, k2)) == 0
+    assert _count(compile_ptx(f1, a1, k1)) == l2_prefetch.L2_LANES
+    assert _count(compile_ptx(f2, a2, k2)) == 0
 
 
 @pytest.mark.parametrize("early", [False, True])
@@ -226,8 +183,8 @@ def test_shared_down_gemv_compiles_to_the_prefetch_of_the_routed_rows(launches):
     (f1, a1, k1), (f2, a2, k2) = launches
     assert k1["L2ROWS"] and (k1["PR_N"], k1["pr_row"], k1["pr_bytes"]) == (2, layout.nbytes, 4096)
     assert not k2["L2ROWS"] and not k1["L2PF"]
-    assert _count(_compile_ptx(f1, a1, k1)) == l2_prefetch.L2_LANES
-    assert _count(_compile_ptx(f2, a2, k2)) == 0
+    assert _count(compile_ptx(f1, a1, k1)) == l2_prefetch.L2_LANES
+    assert _count(compile_ptx(f2, a2, k2)) == 0
     # more rows than programs to share them: none
     many = l2_prefetch.Rows(bank, torch.zeros(1, l2_prefetch.L2_PROGRAMS + 1, dtype=torch.int32),
                             0, 4096)

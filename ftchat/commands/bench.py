@@ -13,7 +13,8 @@ torch kernels a layer again (by default the kernel reads a view of the layer's r
 `l2pf=16` lets the decode kernels ask L2 for up to 16 MiB of the next kernel's weights
 (ftchat/kernels/l2_prefetch.py; 0, the default, is off); `gdnearly=1` loads the GDN
 recurrence's state before its PDL wait; `qsagemv=1` runs the QSA fused projection through the
-Triton GEMV instead of cuBLAS;
+Triton GEMV instead of cuBLAS; `plefused=1` runs the PLE layer's decode step in two kernels
+around its GEMVs (ftchat/kernels/ple_decode.py);
 `resident:skip=hc` (or `skip=hc+gemv`; ftchat/kernels/skip.py) leaves those kernel families out
 of the step: beside `resident`, the difference is their marginal cost (its tokens are not the
 model's);
@@ -38,7 +39,7 @@ from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
 from ftchat.kernels import (fused_kernels, gdn_early_state_kernels, hc_one_launch_kernels,
-                            l2_prefetch_kernels, one_row_kernels, pdl_kernels,
+                            l2_prefetch_kernels, one_row_kernels, pdl_kernels, ple_fused_kernels,
                             qsa_proj_gemv_kernels, rowloop_kernels, shared_fold_kernels,
                             slot_view_kernels, use_fused, use_one_row)
 from ftchat.kernels.skip import SKIP, parse_skip
@@ -66,6 +67,7 @@ class ArmSpec:
     l2_prefetch: int = 0  # MiB of its next weights a kernel asks L2 for (0: none)
     gdn_early_state: bool = False  # the GDN state loads before the PDL wait
     qsa_proj_gemv: bool = False  # the QSA fused projection through the Triton GEMV
+    ple_fused: bool = False  # the PLE decode step in two kernels around its GEMVs
 
 
 @contextmanager
@@ -77,7 +79,7 @@ def arm_kernels(spec: ArmSpec) -> Iterator[None]:
           hc_one_launch_kernels(spec.hc_one_launch), shared_fold_kernels(spec.shared_fold),
           slot_view_kernels(spec.slot_view), l2_prefetch_kernels(spec.l2_prefetch),
           gdn_early_state_kernels(spec.gdn_early_state),
-          qsa_proj_gemv_kernels(spec.qsa_proj_gemv)):
+          qsa_proj_gemv_kernels(spec.qsa_proj_gemv), ple_fused_kernels(spec.ple_fused)):
         yield
 
 
@@ -97,6 +99,7 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
     switches["fold"] = flags.pop("fold", "0")
     switches["gdnearly"] = flags.pop("gdnearly", "0")
     switches["qsagemv"] = flags.pop("qsagemv", "0")
+    switches["plefused"] = flags.pop("plefused", "0")
     l2pf = flags.pop("l2pf", "0")
     if not (l2pf.isdigit() and int(l2pf) <= 1024):
         raise FtchatError(f"bench arm {spec!r}: l2pf={l2pf!r}: expected MiB from 0 to 1024")
@@ -111,8 +114,8 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
             raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
     if head == "resident" and flags:
         raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl=, rowloop=, "
-                          "fold=, slotview=, onerow=, hc1=, gdnearly=, qsagemv= (0 or 1), l2pf= "
-                          "(MiB) and skip=")
+                          "fold=, slotview=, onerow=, hc1=, gdnearly=, qsagemv=, plefused= (0 or "
+                          "1), l2pf= (MiB) and skip=")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
@@ -127,7 +130,8 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
                    hc_one_launch=hc1 == "1", shared_fold=switches["fold"] == "1",
                    slot_view=switches["slotview"] == "1", l2_prefetch=int(l2pf),
                    gdn_early_state=switches["gdnearly"] == "1",
-                   qsa_proj_gemv=switches["qsagemv"] == "1")
+                   qsa_proj_gemv=switches["qsagemv"] == "1",
+                   ple_fused=switches["plefused"] == "1")
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:

@@ -87,12 +87,15 @@ GDN_EARLY_STATE = Switch(False)
 # measured 5-20 % faster alone at that size (bench_gemv.py); off until measured in the chain
 # (bench's qsagemv=1)
 QSA_PROJ_GEMV = Switch(False)
+# the PLE layer's decode step in two kernels around its GEMVs (ftchat/kernels/ple_decode.py)
+# instead of ~60 small torch kernels; off until measured (bench's plefused=1)
+PLE_FUSED = Switch(False)
 fused_kernels, pdl_kernels = FUSED.set, PDL.set
 rowloop_kernels, one_row_kernels = ROWLOOP.set, ONE_ROW.set
 hc_one_launch_kernels = HC_ONE_LAUNCH.set
 shared_fold_kernels, slot_view_kernels = SHARED_FOLD.set, SLOT_VIEW.set
 l2_prefetch_kernels, gdn_early_state_kernels = L2_PREFETCH.set, GDN_EARLY_STATE.set
-qsa_proj_gemv_kernels = QSA_PROJ_GEMV.set
+qsa_proj_gemv_kernels, ple_fused_kernels = QSA_PROJ_GEMV.set, PLE_FUSED.set
 
 
 def use_fused(t) -> bool:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ftchat.kernels import PLE_FUSED, ple_decode, use_fused
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import rms_norm
 from ftchat.model.ngram_table import HostTable, NGramTable
@@ -86,6 +87,22 @@ def ngram_rows(ids: Tensor, ctx: Tensor, mult: Tensor, primes: Tensor, offsets: 
 PLE_SUBBLOCK = 1024
 
 
+def ple_residual(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Tensor:
+    """R + ple_layer(R, ids, w, state, a): the residual stream after the PLE layer. A CUDA
+    decode step with kernels.PLE_FUSED on runs the rows and the block in two kernels around the
+    GEMVs (ftchat/kernels/ple_decode.py; within a few bf16 ulps of this path)."""
+    if PLE_FUSED.value and use_fused(R) and ple_decode.supported(R):
+        rows = ple_decode.ngram_rows_decode(
+            ids, state["ctx"], w["ple_embedding.layer_multipliers"],
+            w["ple_embedding.ngram_heads_vocab_sizes"], w["ple_embedding.ngram_heads_offsets"],
+            a.eos_token_id, a.heads_per_ngram)  # [B, 1, nh]
+        E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)  # [B, 1, nh*dh]
+        key, value = F.linear(E, w["key_proj.weight"]), F.linear(E, w["value_proj.weight"])
+        return ple_decode.ple_block_decode(R, key, value, w, state["conv"], a.rms_norm_eps,
+                                           a.ngram_size)
+    return R + ple_layer(R, ids, w, state, a)
+
+
 def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Tensor:
     """Returns the PLE residual update [B, T, hc*D] for R [B, T, hc*D]; advances state['conv'].
     A prefill runs in sub-blocks of PLE_SUBBLOCK tokens (the same bits: per-token ops, and the
@@ -105,10 +122,16 @@ def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Ten
 
 def ple_block(R: Tensor, rows: Tensor, w: dict, conv: Tensor, a: ModelArgs) -> Tensor:
     """`ple_layer` of R [B, t, hc*D] with its table rows [B, t, nh]; advances conv in place."""
-    D, hc = a.hidden_size, a.hc_count
     E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)  # [B, t, nh*dh]
-    key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps, D)
-    value = F.linear(E, w["value_proj.weight"])  # [B, t, D]
+    return ple_mix(R, F.linear(E, w["key_proj.weight"]), F.linear(E, w["value_proj.weight"]), w,
+                   conv, a)
+
+
+def ple_mix(R: Tensor, k: Tensor, value: Tensor, w: dict, conv: Tensor, a: ModelArgs) -> Tensor:
+    """`ple_block` after its GEMVs: k = key_proj(E) [B, t, hc*D], value = value_proj(E) [B, t, D];
+    the reference of ftchat/kernels/ple_decode.py's block kernel. Advances conv in place."""
+    D, hc = a.hidden_size, a.hc_count
+    key = rms_norm(k, w["norm_key.weight"], a.rms_norm_eps, D)
     query = rms_norm(R, w["norm_query.weight"], a.rms_norm_eps, D)
     u = (key.unflatten(-1, (hc, D)) * query.unflatten(-1, (hc, D))).sum(-1, keepdim=True) / math.sqrt(D)
     u = u.abs().clamp_min(1e-6).sqrt() * u.sign()  # [B, t, hc, 1]

@@ -19,7 +19,7 @@ from ftchat.model.gdn import (decode_input_weight as gdn_input_weight, fuse_gdn_
                               gdn_mixer)
 from ftchat.model.layers import (ROUTER, SHARED_FUSED, fuse_moe_layers, rms_norm,
                                   shared_expert_ref)
-from ftchat.model.ple import ple_layer
+from ftchat.model.ple import ple_residual
 from ftchat.model.qsa import (attention_mixer, decode_input_weight as qsa_input_weight,
                               fuse_qsa_layers)
 from ftchat.model.state import DecodeState
@@ -213,7 +213,7 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
             if y is not None:
                 R, y = hc_write(R, y, s), None
             ple = {"ctx": state.ple_ctx[rows], "conv": state.ple_conv[i][rows]}
-            R = R + ple_layer(R, tokens, lw["ple"], ple, a)
+            R = ple_residual(R, tokens, lw["ple"], ple, a)  # R + the PLE layer's update
         attention = a.is_attention(i)
         mixer_w = lw["self_attn"] if attention else lw["linear_attn"]
         first_w = qsa_input_weight(mixer_w) if attention else gdn_input_weight(mixer_w)
