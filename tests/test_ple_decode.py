@@ -4,7 +4,7 @@ that its kernels compile for sm_90.
 The kernels' numbers are checked against the torch path in tests/gpu/test_ple_decode_gpu.py
 (CUDA, or the Triton interpreter on CPU). Here: the CPU always takes the torch path, switch on
 or off (the same bits as before the switch existed: R + ple_layer); `ple_block` is `ple_mix`
-after its two GEMVs; and the two kernels compile for sm_90 at the flash-next geometry (Triton
+after its two GEMVs and the key's norm; and the two kernels compile for sm_90 at the flash-next geometry (Triton
 with its ptxas, no GPU; skipped where Triton is not installed).
 """
 
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ftchat.kernels import PLE_FUSED, ple_fused_kernels
 from ftchat.model import ple
+from ftchat.model.layers import rms_norm
 from ftchat.model.synth_memory import model_args, synthetic_model
 from tests.kernel_compile import Recorder, compile_ptx
 
@@ -49,7 +50,7 @@ def test_the_cpu_takes_the_torch_path_with_the_switch_on_or_off():
     assert torch.equal(st1["conv"], st0["conv"]) and torch.equal(st2["conv"], st0["conv"])
 
 
-def test_ple_block_is_ple_mix_after_its_gemvs():
+def test_ple_block_is_ple_mix_after_its_gemvs_and_the_key_norm():
     m, a, w = _tiny_ple()
     gen = torch.Generator().manual_seed(2)
     R = torch.randn(1, 3, a.hc_count * a.hidden_size, generator=gen)
@@ -60,8 +61,9 @@ def test_ple_block_is_ple_mix_after_its_gemvs():
                           a.heads_per_ngram)
     s1, s2 = _state(a, 1, R.dtype), _state(a, 1, R.dtype)
     E = ple.embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)
-    want = ple.ple_mix(R, F.linear(E, w["key_proj.weight"]), F.linear(E, w["value_proj.weight"]),
-                       w, s1["conv"], a)
+    key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps,
+                   a.hidden_size)
+    want = ple.ple_mix(R, key, F.linear(E, w["value_proj.weight"]), w, s1["conv"], a)
     assert torch.equal(ple.ple_block(R, rows, w, s2["conv"], a), want)
     assert torch.equal(s1["conv"], s2["conv"])
 

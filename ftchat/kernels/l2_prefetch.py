@@ -19,9 +19,12 @@ lines before their reader runs (the H200's L2 is 50 MB).
 
 Where (the issuing kernel -> what it prefetches):
   HC read kernel 1 -> its kernel 2's W_up (hyper.hc_mix_triton)
-  HC read kernel 2 -> the block's first weight (the GDN / QSA input projection, the MoE GEMV)
+  HC read kernel 2 -> the block's first weight (the GDN / QSA input projection, the MoE GEMV;
+    after the final mixer, lm_head)
   GDN recurrence -> out_proj; QSA prep -> o_proj (the latency-bound kernels before a GEMV)
   MoE fused GEMV -> the shared expert's down weight
+  the shared down GEMV -> the routed experts' gate_up rows (`prefetch_rows`, after its wait:
+    the router's slots are final then)
   routed kernel 1 -> the down rows of its experts (known once it has read the slot ids)
 In the Triton interpreter and on CPU the instruction does not exist: `target` gives L2PF False
 there and the kernels compile without it.

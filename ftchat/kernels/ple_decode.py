@@ -154,10 +154,11 @@ def inv_sqrt(d: int) -> float:
 
 def ple_block_decode(R: Tensor, key: Tensor, value: Tensor, w: dict, conv: Tensor, eps: float,
                      dilation: int) -> Tensor:
-    """R + ple.ple_block(R, ...) after its GEMVs, in one launch: R [B, 1, hc*D], key [B, 1,
-    hc*D] = F.linear(E, key_proj), value [B, 1, D] = F.linear(E, value_proj), w the layer's
-    weights (norm_key, norm_query, norm_conv [hc*D], conv1d [hc*D, 1, KC]), conv [B, hc*D, ST]
-    the conv state (advanced in place). Returns R' [B, 1, hc*D] in R's dtype."""
+    """R + ple.ple_block(R, ...) after its GEMVs (the key's norm included), in one launch:
+    R [B, 1, hc*D], key [B, 1, hc*D] = F.linear(E, key_proj) (not normed), value [B, 1, D] =
+    F.linear(E, value_proj), w the layer's weights (norm_key, norm_query, norm_conv [hc*D],
+    conv1d [hc*D, 1, KC]), conv [B, hc*D, ST] the conv state (advanced in place). Returns R'
+    [B, 1, hc*D] in R's dtype."""
     B, _, C = R.shape
     D = value.shape[-1]
     hc = C // D

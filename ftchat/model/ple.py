@@ -123,15 +123,18 @@ def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Ten
 def ple_block(R: Tensor, rows: Tensor, w: dict, conv: Tensor, a: ModelArgs) -> Tensor:
     """`ple_layer` of R [B, t, hc*D] with its table rows [B, t, nh]; advances conv in place."""
     E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)  # [B, t, nh*dh]
-    return ple_mix(R, F.linear(E, w["key_proj.weight"]), F.linear(E, w["value_proj.weight"]), w,
-                   conv, a)
+    key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps,
+                   a.hidden_size)  # the projection is freed at once (the VRAM plan's peak)
+    value = F.linear(E, w["value_proj.weight"])  # [B, t, D]
+    return ple_mix(R, key, value, w, conv, a)
 
 
-def ple_mix(R: Tensor, k: Tensor, value: Tensor, w: dict, conv: Tensor, a: ModelArgs) -> Tensor:
-    """`ple_block` after its GEMVs: k = key_proj(E) [B, t, hc*D], value = value_proj(E) [B, t, D];
-    the reference of ftchat/kernels/ple_decode.py's block kernel. Advances conv in place."""
+def ple_mix(R: Tensor, key: Tensor, value: Tensor, w: dict, conv: Tensor, a: ModelArgs
+            ) -> Tensor:
+    """`ple_block` after its GEMVs and the key's norm: key [B, t, hc*D] (normed), value [B, t,
+    D]; with the key norm, the reference of ftchat/kernels/ple_decode.py's block kernel.
+    Advances conv in place."""
     D, hc = a.hidden_size, a.hc_count
-    key = rms_norm(k, w["norm_key.weight"], a.rms_norm_eps, D)
     query = rms_norm(R, w["norm_query.weight"], a.rms_norm_eps, D)
     u = (key.unflatten(-1, (hc, D)) * query.unflatten(-1, (hc, D))).sum(-1, keepdim=True) / math.sqrt(D)
     u = u.abs().clamp_min(1e-6).sqrt() * u.sign()  # [B, t, hc, 1]

@@ -8,7 +8,8 @@
   with eos tokens in the context, and with ids past the vocabulary whose hash products wrap to
   negative int64 (where C's remainder and torch.remainder differ; checked to occur: valid ids
   never get there).
-* The block kernel against `R + ple.ple_mix` (the torch path after the GEMVs) at the tiny and
+* The block kernel against `R + ple.ple_mix` after the key's norm (the torch path after the
+  GEMVs) at the tiny and
   the flash-next geometry: fp32 within 1e-5 of the largest |R'|; bf16 within one bf16 ulp of
   each element of R' plus one of the update (G + conv). Why that much: the kernel rounds where
   torch does, but its sums run in another order and CUDA torch divides by sqrt(D) as a
@@ -30,6 +31,7 @@ import torch
 
 from ftchat.kernels import HAS_TRITON, ple_decode, ple_fused_kernels
 from ftchat.model import ple
+from ftchat.model.layers import rms_norm
 from ftchat.model.synth_memory import model_args
 from tests.kernel_inputs import kernel_device
 
@@ -123,7 +125,8 @@ def _close(got: torch.Tensor, ref: torch.Tensor, update: torch.Tensor, dtype) ->
 def test_block_kernel_matches_the_torch_path(geo, rows, dtype):
     a, w, R, k, v, conv = _block_case(geo, rows, dtype, seed=rows + 10 * len(geo))
     conv_ref, conv_got = conv.clone(), conv.clone()
-    update = ple.ple_mix(R, k, v, w, conv_ref, a)
+    key = rms_norm(k, w["norm_key.weight"], a.rms_norm_eps, a.hidden_size)
+    update = ple.ple_mix(R, key, v, w, conv_ref, a)
     want = R + update
     got = ple_decode.ple_block_decode(R, k, v, w, conv_got, a.rms_norm_eps, a.ngram_size)
     assert got.shape == want.shape and got.dtype == dtype
