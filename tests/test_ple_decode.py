@@ -36,7 +36,7 @@ def _state(a, B: int, dtype):
 
 
 def test_the_cpu_takes_the_torch_path_with_the_switch_on_or_off():
-    m, a, w = _tiny_ple()
+    _, a, w = _tiny_ple()
     gen = torch.Generator().manual_seed(1)
     R = torch.randn(2, 1, a.hc_count * a.hidden_size, generator=gen)
     ids = torch.tensor([[5], [17]])
@@ -51,7 +51,7 @@ def test_the_cpu_takes_the_torch_path_with_the_switch_on_or_off():
 
 
 def test_ple_block_is_ple_mix_after_its_gemvs_and_the_key_norm():
-    m, a, w = _tiny_ple()
+    _, a, w = _tiny_ple()
     gen = torch.Generator().manual_seed(2)
     R = torch.randn(1, 3, a.hc_count * a.hidden_size, generator=gen)
     rows = ple.ngram_rows(torch.tensor([[4, 9, 11]]), torch.tensor([[1, 2]]),
@@ -76,7 +76,7 @@ def test_the_kernels_compile_for_sm90_at_the_flash_next_geometry(monkeypatch):
     for name in ("_rows_kernel", "_block_kernel"):
         monkeypatch.setattr(ple_decode, name, Recorder(getattr(ple_decode, name), rec))
     a = model_args("flash-next", 2, "bf16")
-    C, D, bf = a.hc_count * a.hidden_size, a.hidden_size, dict(dtype=torch.bfloat16)
+    C, D, bf = a.hc_count * a.hidden_size, a.hidden_size, {"dtype": torch.bfloat16}
     nh = (a.ngram_size - 1) * a.heads_per_ngram
     ple_decode.ngram_rows_decode(torch.zeros(1, 1, dtype=torch.long),
                                  torch.zeros(1, a.ngram_size - 1, dtype=torch.long),

@@ -50,14 +50,14 @@ def _rows_kernel(ids_ptr, ctx_ptr, mult_ptr, primes_ptr, off_ptr, rows_ptr, CTX_
     ctx = ctx_ptr + b * CTX_SB
     cur = tl.load(ids_ptr + b).to(tl.int64)
     mixed = cur * tl.load(mult_ptr).to(tl.int64)
-    cut = cur != cur  # False: no eos yet between a token and the current one
+    cut = cur * 0  # 1 once an eos lies between the token at distance s and the current one
     h = tl.arange(0, NHP)
     out = tl.zeros([NHP], dtype=tl.int64)
     for s in tl.static_range(1, N):
         prev = tl.load(ctx + (N - 1 - s)).to(tl.int64)
         if s > 1:  # an eos strictly between the token at distance s and the current one
-            cut = cut | (tl.load(ctx + (N - s)).to(tl.int64) == eos)
-        prev = tl.where(cut, eos, prev)
+            cut = cut | (tl.load(ctx + (N - s)).to(tl.int64) == eos).to(tl.int64)
+        prev = tl.where(cut != 0, eos, prev)
         mixed = mixed ^ (prev * tl.load(mult_ptr + s).to(tl.int64))
         head = (h >= (s - 1) * HPN) & (h < s * HPN)
         p = tl.load(primes_ptr + h, mask=head, other=1).to(tl.int64)
