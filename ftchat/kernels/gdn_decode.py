@@ -102,8 +102,11 @@ def _gdn_decode_kernel(proj_ptr, conv_ptr, wc_ptr, s_ptr, alog_ptr, dtb_ptr, nw_
     # (batch stride S_SB) in place; wc [C, KC]; A_log, dt_bias [HV]; norm w [DV]; out [B, HV*DV];
     # cnt [B, HK + HV] int32 zeros (left zero). L2PF: first ask L2 for pf_bytes at pf_ptr
     # (out_proj's weight, read next: l2_prefetch.py). EARLY: the state slice loads before the
-    # PDL wait (no kernel of the step before this one writes S: it is this kernel's own, from
-    # the last step, whose launches have all finished), overlapping the projection GEMV
+    # PDL wait, overlapping the projection GEMV. Safe while no kernel of the step before this
+    # one writes S: its writers are this kernel one step earlier and the prefill / reset,
+    # and a step ends with plain launches (lm_head, sampling) that finish everything before
+    # the next step starts. Several steps captured in one graph of PDL kernels alone would
+    # break that
     NJ: tl.constexpr = DV // BV
     REP: tl.constexpr = HV // HK
     C: tl.constexpr = 2 * HK * DK + HV * DV

@@ -372,6 +372,7 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
         y, s: [..., D] block output and [..., hc] its injection weights, R's dtype; or None.
         prefetch: the weight the block after the read starts with: with `kernels.L2_PREFETCH`
             on, kernel 2 asks L2 for it (and kernel 1 for kernel 2's W_up; l2_prefetch.py).
+            The one-launch form (`HC_ONE_LAUNCH`) prefetches nothing.
     Returns R' [..., C] (a new tensor when y is given), x [..., D] and s_new [..., hc] (None
     without inject), all in R's dtype. Two kernel launches, or one with `HC_ONE_LAUNCH` on (the
     same bits); no host sync. With PDL the weight tiles are read before the previous kernel has

@@ -167,7 +167,7 @@ def ple_block_decode(R: Tensor, key: Tensor, value: Tensor, w: dict, conv: Tenso
     assert C == hc * D and key.shape == R.shape and value.shape == (B, 1, D)
     assert conv.shape == (B, C, (KC - 1) * dilation) and conv[0].is_contiguous()
     assert key.dtype == value.dtype == conv.dtype == R.dtype
-    out = torch.empty_like(R)
+    out = torch.empty(R.shape, dtype=R.dtype, device=R.device)  # dense, as the kernel writes
     _block_kernel[(B * hc,)](
         R.contiguous(), key.contiguous(), value.contiguous(), w["norm_key.weight"],
         w["norm_query.weight"], w["norm_conv.weight"], conv, wc.contiguous(), out,

@@ -7,15 +7,17 @@ The first two change when bytes move, never which bytes a kernel reads, so decod
 same tokens and logits bit for bit with them on and off, in a captured graph and eagerly, on the
 tiny model and on four flash-next layers (the real geometry takes every prefetching kernel: HC
 read, NVFP4 GDN projection then the recurrence, QSA prep, the MoE GEMV, the shared down GEMV, the
-v4 routed kernel 1). Non-vacuity: on the test's GPU the switch turns each kernel's prefetch on
-(`target` gives L2PF), and tests/test_l2_prefetch.py shows that L2PF compiles to the bulk
-prefetch instruction for sm_90. The split of a range among programs and lanes (`piece`) is
+v4 routed kernel 1). Non-vacuity: on flash-next, one decode step with the switch on prefetches
+every site design.md 5.5 lists (the tensors `span` was asked for, and the expert-row launches),
+and tests/test_l2_prefetch.py shows that L2PF compiles to the bulk prefetch instruction for
+sm_90. The split of a range among programs and lanes (`piece`) is
 checked in the interpreter too:
     on CPU, Triton interpreter:  FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 \\
         pytest -m gpu tests/gpu/test_decode_switches_gpu.py -k pieces
 The QSA GEMV changes the summation order of that projection (tests/gpu/test_gemv_gpu.py holds
-its tolerance at [13952, 2560]): here the projection is the GEMV's bits with the switch on and
-cuBLAS's without, and decode with it on replays its eager tokens and logits bit for bit.
+its tolerance at [13952, 2560]): here the projection calls the GEMV (once, on the fused weight)
+with the switch on and not without, and decode with it on replays its eager tokens and logits
+bit for bit.
 """
 
 from __future__ import annotations
@@ -110,6 +112,49 @@ def test_l2_prefetch_and_early_state_change_no_bit_tiny(rows):
     _same(_run(m, batch, graph=False, l2pf=16, early=True), off)
 
 
+def _prefetched(m, batch) -> tuple[set[int], int]:
+    # over one eager decode with the prefetch on: the addresses of the tensors the kernels
+    # asked L2 for (l2_prefetch.span > 0), and how many launches prefetched expert rows
+    span, rows_target = l2_prefetch.span, l2_prefetch.rows_target
+    seen, rows = set(), []
+
+    def spy_span(t):
+        n = span(t)
+        if n:
+            seen.add(t.data_ptr())
+        return n
+
+    def spy_rows(*args):
+        out = rows_target(*args)
+        rows.append(out["L2PF"])
+        return out
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(l2_prefetch, "span", spy_span)
+        mp.setattr(l2_prefetch, "rows_target", spy_rows)
+        _run(m, batch, graph=False, l2pf=16)
+    return seen, sum(rows)
+
+
+def _prefetch_sites(m) -> set[int]:
+    # what design.md 5.5 says is prefetched: each HC read's W_up, the weight each block starts
+    # with, out_proj / o_proj, the MoE GEMV's weight and the shared down weight, lm_head
+    from ftchat.model import gdn, qsa
+    from ftchat.model.layers import SHARED_FUSED
+
+    W, a = m.weights, m.args
+    want = {W["lm_head.weight"], W.final_mixer["input_mix_weight_up.weight"]}
+    for i, lw in enumerate(W.layers):
+        attention = a.is_attention(i)
+        mixer = lw["self_attn"] if attention else lw["linear_attn"]
+        first = (qsa if attention else gdn).decode_input_weight(mixer)
+        want |= {lw[hc]["input_mix_weight_up.weight"]
+                 for hc in ("attn_hyper_connection", "mlp_hyper_connection")}
+        want |= {first, mixer["o_proj.weight" if attention else "out_proj.weight"],
+                 lw["mlp"][SHARED_FUSED], lw["mlp"]["shared_expert.down_proj.weight"]}
+    return {t.data_ptr() for t in want}
+
+
 @needs_hopper
 def test_l2_prefetch_and_early_state_change_no_bit_flash_next():
     from ftchat.model.synth_memory import synthetic_model
@@ -117,6 +162,11 @@ def test_l2_prefetch_and_early_state_change_no_bit_flash_next():
     # layers 0-3: three GDN layers (layer 1 with PLE) and a QSA layer at the real geometry
     m = synthetic_model("flash-next", 4, "nvfp4-modelopt", "cuda", torch.bfloat16, dense="nvfp4")
     _switches_reach_the_kernels(m)
+    seen, rows = _prefetched(m, PROMPTS[:1])
+    assert _prefetch_sites(m) <= seen  # every site of design.md 5.5 prefetched ...
+    # ... and the routed rows (shared down GEMV, kernel 1) in each layer of each decode step
+    # (STEPS tokens: the first from the prefill)
+    assert rows >= 2 * m.args.num_hidden_layers * (STEPS - 1)
     off = _run(m, PROMPTS[:1], graph=True, l2pf=0, early=False)
     _same(_run(m, PROMPTS[:1], graph=True, l2pf=16, early=True), off)
     _same(_run(m, PROMPTS[:1], graph=False, l2pf=16, early=True), off)
@@ -133,8 +183,19 @@ def test_qsa_projection_takes_the_gemv_with_its_switch_and_decode_replays_eager(
     i = next(i for i in range(m.args.num_hidden_layers) if m.args.is_attention(i))
     w = m.weights.layers[i]["self_attn"]
     x = torch.randn(1, m.args.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert torch.equal(qsa.fused_projection(x, w), F.linear(x, w[qsa.FUSED]))
-    with qsa_proj_gemv_kernels(True):
-        assert torch.equal(qsa.fused_projection(x, w), gemv.linear_triton(x, w[qsa.FUSED]))
+    calls, real = [], gemv.linear_triton
+
+    def spy(x, w, *args, **kwargs):  # which weights the Triton GEMV is called on
+        calls.append(w.data_ptr())
+        return real(x, w, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gemv, "linear_triton", spy)
+        assert torch.equal(qsa.fused_projection(x, w), F.linear(x, w[qsa.FUSED]))
+        assert calls == []  # the control: off, cuBLAS
+        with qsa_proj_gemv_kernels(True):
+            got = qsa.fused_projection(x, w)
+        assert calls == [w[qsa.FUSED].data_ptr()]  # on: the GEMV, once, on the fused weight
+    assert torch.equal(got, gemv.linear_triton(x, w[qsa.FUSED]))
     _same(_run(m, PROMPTS[:1], graph=True, qsagemv=True),
           _run(m, PROMPTS[:1], graph=False, qsagemv=True))
