@@ -9,7 +9,9 @@ CUDA graph of CALLS rounds over distinct buffers (together several times L2), ea
      decode kernel would;
   3. read_bound's reader streams the buffer (each program a contiguous stretch, summed).
 Both arms run the same kernels, so their difference per round is what the prefetch saved the
-reader (or cost it). The reader alone (no prefetch kernel, no sleep) is timed too.
+reader (or cost it). The reader alone (no prefetch kernel, no sleep) is timed too, and an `on1`
+arm issues the whole prefetch from one program: whether one SM's copy engine can pull a range
+as fast (a kernel with few programs, such as the router, would prefetch that way).
 
     python benchmarks/l2_prefetch_probe.py --out docs/l2_prefetch_probe.json    (CUDA, sm_90+)
 """
@@ -45,8 +47,8 @@ def _graph(bufs: list[torch.Tensor], out: torch.Tensor, arm: str) -> torch.cuda.
     def rounds():
         for x in bufs:
             if arm != "alone":
-                nbytes = x.numel() * x.element_size() if arm == "on" else 16
-                _prefetch_kernel[(L2_PROGRAMS,)](x, nbytes, ON=True)
+                nbytes = x.numel() * x.element_size() if arm != "off" else 16
+                _prefetch_kernel[(1 if arm == "on1" else L2_PROGRAMS,)](x, nbytes, ON=True)
                 torch.cuda._sleep(SLEEP)
             read(x, out, *SHAPE, pdl=False)
 
@@ -83,16 +85,18 @@ def main() -> None:
         bufs = [torch.randn(n, device="cuda", dtype=torch.bfloat16) for _ in range(CALLS)]
         out = torch.empty(n // (SHAPE[0] * SHAPE[1]) + 1, device="cuda")
         alone = _us_per_round(_graph(bufs, out, "alone"))
-        g_off, g_on = _graph(bufs, out, "off"), _graph(bufs, out, "on")
+        g_off, g_on, g_on1 = (_graph(bufs, out, arm) for arm in ("off", "on", "on1"))
         off = [_us_per_round(g_off)]
-        on = _us_per_round(g_on)
-        off.append(_us_per_round(g_off))  # again after `on`: the drift between the two
+        on, on1 = _us_per_round(g_on), _us_per_round(g_on1)
+        off.append(_us_per_round(g_off))  # again after the `on` arms: the drift between them
         row = {"read_alone_us": alone, "round_off_us": off, "round_on_us": on,
-               "saved_us": min(off) - on, "read_alone_tb_s": mb * 2**20 / (alone * 1e-6) / 1e12}
+               "round_on1_us": on1, "saved_us": min(off) - on, "saved_on1_us": min(off) - on1,
+               "read_alone_tb_s": mb * 2**20 / (alone * 1e-6) / 1e12}
         res["sizes"][str(mb)] = row
         print(f"{mb:3d} MiB: reader alone {alone:6.2f} us ({row['read_alone_tb_s']:.2f} TB/s); "
-              f"round off {off[0]:6.2f} / {off[1]:6.2f} us, on {on:6.2f} us: "
-              f"saved {row['saved_us']:6.2f} us", flush=True)
+              f"round off {off[0]:6.2f} / {off[1]:6.2f} us, on {on:6.2f} us (saved "
+              f"{row['saved_us']:6.2f}), on1 {on1:6.2f} us (saved {row['saved_on1_us']:6.2f})",
+              flush=True)
         del bufs
     if args.out:
         args.out.write_text(json.dumps(res, indent=1) + "\n")
