@@ -30,6 +30,7 @@ import torch
 from ftchat.engine import generate, resident_backend
 from ftchat.kernels import (HAS_TRITON, gdn_early_state_kernels, gemv, jit as _jit,
                             l2_prefetch, l2_prefetch_kernels, qsa_proj_gemv_kernels, tl)
+from ftchat.kernels.l2_prefetch import piece
 from tests.kernel_inputs import kernel_device
 
 pytestmark = pytest.mark.gpu
@@ -49,13 +50,13 @@ def _device():
 
 
 @_jit
-def _pieces_kernel(out_ptr, nbytes, nprog, LANES: tl.constexpr):
+def _pieces_kernel(out_ptr, nbytes, nprog, PROGRAMS: tl.constexpr, LANES: tl.constexpr):
     # out [nprog, LANES, 2] int64: (start, size) of every lane of every program, 0 where the
-    # program takes no part (as prefetch_l2 decides)
+    # program takes no part (as prefetch_l2 decides: the first PROGRAMS)
     pid = tl.program_id(0)
-    n = tl.minimum(nprog, l2_prefetch.L2_PROGRAMS)
+    n = tl.minimum(nprog, PROGRAMS)
     for i in tl.static_range(LANES):
-        start, size = l2_prefetch.piece(nbytes, pid, n, i)
+        start, size = piece(nbytes, pid, n, i)
         take = pid < n
         tl.store(out_ptr + (pid * LANES + i) * 2, tl.where(take, start, 0).to(tl.int64))
         tl.store(out_ptr + (pid * LANES + i) * 2 + 1, tl.where(take, size, 0).to(tl.int64))
@@ -66,7 +67,7 @@ def _pieces_kernel(out_ptr, nbytes, nprog, LANES: tl.constexpr):
 def test_pieces_tile_the_range_once_on_the_16_byte_grid(nbytes, nprog):
     lanes = l2_prefetch.L2_LANES
     out = torch.full((nprog, lanes, 2), -1, dtype=torch.int64, device=DEVICE)
-    _pieces_kernel[(nprog,)](out, nbytes, nprog, LANES=lanes)
+    _pieces_kernel[(nprog,)](out, nbytes, nprog, PROGRAMS=l2_prefetch.L2_PROGRAMS, LANES=lanes)
     got = sorted((s, n) for s, n in out.view(-1, 2).tolist() if n > 0)
     assert all(s % 16 == 0 and n % 16 == 0 for s, n in got)
     pos = 0
