@@ -21,19 +21,11 @@ case $1 in
     timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_l2_prefetch.py \
       tests/test_ple_decode.py 2>&1 \
       | stamp > "$O/compile.log"; tail -2 "$O/compile.log"
-    python3 -m pytest -m gpu --collect-only -p no:cacheprovider ${TESTS:-tests/gpu/test_decode_switches_gpu.py \
-      tests/gpu/test_pdl_gpu.py tests/gpu/test_gemv_gpu.py tests/gpu/test_hyper_router_gpu.py \
-      tests/gpu/test_gdn_decode_gpu.py tests/gpu/test_qsa_decode_gpu.py \
-      tests/gpu/test_moe_fused_gpu.py tests/gpu/test_ple_decode_gpu.py} 2>/dev/null | grep '::' > "$O/ids.txt"
-    echo "$(wc -l < "$O/ids.txt") tests"
-    for s in 0 1 2 3; do
-      awk -v s=$s 'NR % 4 == s' "$O/ids.txt" > "$O/ids_$s.txt"
-      (timeout ${TESTS_S:-420} python3 -m pytest -m gpu -v -rA --tb=short -p no:cacheprovider \
-        $(cat "$O/ids_$s.txt") 2>&1 | stamp > "$O/ptest_$s.log") &
-    done
-    wait
-    for s in 0 1 2 3; do echo "shard $s: $(grep -c ' PASSED' "$O/ptest_$s.log") passed; $(tail -1 "$O/ptest_$s.log")"; done
-    grep -h "FAILED\|ERROR" "$O"/ptest_*.log | head -20 ;;
+    # the GPU tests in four shards at once: device_s21.sh's runner, with this session's files
+    TESTS=${TESTS:-"tests/gpu/test_decode_switches_gpu.py tests/gpu/test_pdl_gpu.py \
+      tests/gpu/test_gemv_gpu.py tests/gpu/test_hyper_router_gpu.py tests/gpu/test_gdn_decode_gpu.py \
+      tests/gpu/test_qsa_decode_gpu.py tests/gpu/test_moe_fused_gpu.py \
+      tests/gpu/test_ple_decode_gpu.py"} TESTS_S=${TESTS_S:-420} bash benchmarks/device_s21.sh tests ;;
   bench)
     CTX=${CTX:-4k} DENSE=nvfp4 \
       ARMS=${ARMS:-"resident;resident:l2pf=8;resident:l2pf=16;resident:l2pf=32;resident:gdnearly=1;resident:qsagemv=1;resident:plefused=1;resident:l2pf=16,gdnearly=1,qsagemv=1,plefused=1"} \

@@ -32,6 +32,7 @@ there and the kernels compile without it.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -109,13 +110,18 @@ class Rows(NamedTuple):
 def enabled(device: torch.device) -> bool:
     """Whether decode kernels on device prefetch: the switch on, a CUDA GPU of sm_90+ (the
     instruction's), not the interpreter."""
-    return (L2_PREFETCH.value > 0 and HAS_TRITON and not INTERPRET and device.type == "cuda"
+    return L2_PREFETCH.value > 0 and _has_instruction(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_instruction(device: torch.device) -> bool:
+    return (HAS_TRITON and not INTERPRET and device.type == "cuda"
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-def cap_bytes() -> int:
-    """The most bytes one kernel prefetches: the switch's MiB."""
-    return int(L2_PREFETCH.value) << 20
+def _capped(nbytes: int) -> int:
+    # at most the switch's MiB, rounded down to the instruction's unit
+    return min(nbytes, int(L2_PREFETCH.value) << 20) // ALIGN * ALIGN
 
 
 def span(t: Tensor | None) -> int:
@@ -124,7 +130,7 @@ def span(t: Tensor | None) -> int:
     CPU, the interpreter, a start off the 16-byte grid, t not contiguous)."""
     if t is None or not enabled(t.device) or not t.is_contiguous() or t.data_ptr() % ALIGN:
         return 0
-    return min(t.numel() * t.element_size(), cap_bytes()) // ALIGN * ALIGN
+    return _capped(t.numel() * t.element_size())
 
 
 def target(t: Tensor | None, like: Tensor) -> dict:
@@ -141,7 +147,7 @@ def rows_target(bank: Tensor, offset: int, nbytes: int) -> dict:
     grid (row layouts align parts to 128 bytes), else nothing is prefetched."""
     n = 0
     if enabled(bank.device) and bank.data_ptr() % ALIGN == 0 and offset % ALIGN == 0:
-        n = min(nbytes, cap_bytes()) // ALIGN * ALIGN
+        n = _capped(nbytes)
     return dict(pf_off=offset, pf_bytes=n, L2PF=n > 0)
 
 

@@ -25,6 +25,7 @@ size), ST = (KC - 1) * DIL state columns.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -147,6 +148,7 @@ def ngram_rows_decode(ids: Tensor, ctx: Tensor, mult: Tensor, primes: Tensor, of
     return rows
 
 
+@functools.lru_cache(maxsize=None)  # no host tensors per decode step
 def inv_sqrt(d: int) -> float:
     """1 / sqrt(d) as CUDA torch forms it for `x / math.sqrt(d)`: fp32(1) / fp32(sqrt(d))."""
     return (torch.tensor(1.0) / torch.tensor(math.sqrt(d), dtype=torch.float32)).item()

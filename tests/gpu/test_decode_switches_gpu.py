@@ -31,15 +31,12 @@ from ftchat.engine import generate, resident_backend
 from ftchat.kernels import (HAS_TRITON, gdn_early_state_kernels, gemv, jit as _jit,
                             l2_prefetch, l2_prefetch_kernels, qsa_proj_gemv_kernels, tl)
 from ftchat.kernels.l2_prefetch import piece
-from tests.kernel_inputs import kernel_device
+from tests.kernel_inputs import kernel_device, needs_hopper as hopper_marker
 
 pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = os.environ.get("FTCHAT_TEST_DEVICE", "cpu" if INTERPRET else "cuda")
-CUDA = torch.cuda.is_available() and not INTERPRET
-needs_hopper = pytest.mark.skipif(
-    not CUDA or torch.cuda.get_device_capability() < (9, 0),
-    reason="the bulk prefetch needs a CUDA GPU of sm_90 or later (not the interpreter)")
+needs_hopper = hopper_marker("the bulk prefetch")
 PROMPTS = [[3, 17, 99, 4, 250, 31, 7, 507], [9, 120, 44, 2, 300, 8, 61, 5]]
 STEPS = 16
 

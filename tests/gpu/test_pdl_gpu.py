@@ -20,13 +20,12 @@ import torch
 
 from ftchat.engine import generate, resident_backend
 from ftchat.kernels import pdl_kernels, pdl_launch
+from tests.kernel_inputs import needs_hopper as hopper_marker
 
 pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CUDA = torch.cuda.is_available() and not INTERPRET
-needs_hopper = pytest.mark.skipif(
-    not CUDA or torch.cuda.get_device_capability() < (9, 0),
-    reason="PDL needs a CUDA GPU of sm_90 or later (not the interpreter)")
+needs_hopper = hopper_marker("PDL")
 PROMPTS = [[3, 17, 99, 4, 250, 31, 7, 507], [9, 120, 44, 2, 300, 8, 61, 5]]
 STEPS = 24
 
