@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from graph_timing import graph_us  # benchmarks/ (the script's folder)
 from ftchat.kernels import gemv, nvfp4_gemv
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 
 SHAPES = [(2560, 6144), (1281, 2560), (2560, 640), (512, 2560), (16480, 2560), (12800, 2560),
           (2560, 2560)]  # N (outputs), K (reduction)

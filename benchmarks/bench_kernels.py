@@ -11,7 +11,7 @@ import json
 
 import torch
 
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.expert_kernels import routed_experts_triton

@@ -27,7 +27,7 @@ import json
 import torch
 
 from ftchat.kernels import moe_prefill as mp
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload.experts import routed_experts_torch
 
 D, I, E, K, SLOTS = 2560, 640, 512, 10, 520

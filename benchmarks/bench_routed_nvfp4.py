@@ -28,7 +28,7 @@ import torch
 from graph_timing import median_replay  # benchmarks/ (the script's folder)
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload import expert_kernels as ek
 
 HBM = 4.8e12

@@ -18,7 +18,7 @@ import torch
 
 from bench_routed_nvfp4 import make_setup  # benchmarks/ (the script's folder)
 from ftchat.kernels import gemv, hyper, nvfp4_gemv, router
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 from ftchat.offload import expert_kernels as ek
 
 D, HC, L = 2560, 4, 320

@@ -18,9 +18,9 @@ from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.ngram_table import HostTable
-from ftchat.model.nvfp4 import Nvfp4Weight
+from ftchat.codecs.nvfp4 import Nvfp4Weight
 from ftchat.model.qwen4_exp import Weights, forward
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.state import DecodeState
 from ftchat.errors import FtchatError
 from ftchat.graph import DecodeGraph

@@ -25,8 +25,8 @@ import torch
 from ftchat.engine import PLE_ON_DEVICE_BYTES, PREFILL_CHUNK
 from ftchat.errors import FtchatError
 from ftchat.model.config import ModelArgs
-from ftchat.model.nvfp4 import Nvfp4Weight, nvfp4_bytes
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.nvfp4 import Nvfp4Weight, nvfp4_bytes
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.spec import dense_specs
 from ftchat.offload.backend import LEND_STAGING_FACTOR, lends_staging
 from ftchat.offload.experts import EXPERT_GROUP

@@ -33,7 +33,7 @@ from demo_data import CHAT_EXAMPLES, gather_prose, gather_sources  # noqa: E402
 from tokenizers import models, trainers  # noqa: E402
 from tokenizers import pre_tokenizers  # noqa: E402
 
-from ftchat.model import nvfp4  # noqa: E402
+from ftchat.codecs import nvfp4  # noqa: E402
 from ftchat.model.export import export_checkpoint  # noqa: E402
 from ftchat.model.synth import preset_config  # noqa: E402
 from ftchat.model.tokenizer import (  # noqa: E402

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from ftchat.model import nvfp4
-from ftchat.model.rows import RowLayout
+from ftchat.codecs import nvfp4
+from ftchat.codecs.rows import RowLayout
 
 
 def random_rows(layout: RowLayout, n: int, gen: torch.Generator) -> Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ftchat.engine import Decoder, LoadedModel, resident_backend
-from ftchat.model.kv_cache import FP8
+from ftchat.codecs.fp8 import FP8
 
 
 @dataclass(frozen=True)

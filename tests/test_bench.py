@@ -103,7 +103,7 @@ def test_bench_builds_a_synthetic_model_in_memory():
 
 def test_an_arms_kernel_switches_reach_the_routed_tiles():
     from ftchat.commands.bench import arm_kernels
-    from ftchat.model.rows import RowLayout
+    from ftchat.codecs.rows import RowLayout
     from ftchat.offload import expert_kernels as ek
 
     real = RowLayout("nvfp4", 2560, 640)

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from ftchat.errors import ModelError
 from ftchat.model.checkpoint import Checkpoint
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.synth import write_checkpoint
 
 

@@ -15,7 +15,8 @@ from safetensors import safe_open
 
 from ftchat.engine import generate, load_model, resident_backend
 from ftchat.errors import FtchatError
-from ftchat.model import gdn, nvfp4
+from ftchat.codecs import nvfp4
+from ftchat.model import gdn
 from ftchat.model.synth import write_checkpoint
 from ftchat.model.synth_memory import synthetic_model
 from tests.reference import reference_greedy, reference_model

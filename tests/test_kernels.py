@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload.copy import copy_rows, copy_rows_ref
 from ftchat.offload.expert_kernels import routed_experts_any, routed_experts_decode_ref
 from ftchat.offload.experts import routed_experts
@@ -118,7 +118,7 @@ _NO_TRITON = """
 import sys
 sys.modules["triton"] = None  # any `import triton` now raises ImportError
 import torch
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload import copy, expert_kernels
 assert not copy.HAS_TRITON and not expert_kernels.HAS_TRITON
 host = torch.arange(2 * 128, dtype=torch.int64).to(torch.uint8).view(2, 128)

@@ -153,7 +153,7 @@ def test_qsa_prep_compiles_to_the_prefetch(launches):
 
 
 def test_routed_kernel_1_compiles_to_the_prefetch_of_its_down_rows(launches):
-    from ftchat.model.rows import RowLayout
+    from ftchat.codecs.rows import RowLayout
     from ftchat.offload import expert_kernels as ek
 
     layout = RowLayout("nvfp4", 512, 64)
@@ -171,7 +171,7 @@ def test_routed_kernel_1_compiles_to_the_prefetch_of_its_down_rows(launches):
 
 def test_shared_down_gemv_compiles_to_the_prefetch_of_the_routed_rows(launches):
     from ftchat.kernels import gemv
-    from ftchat.model.rows import RowLayout
+    from ftchat.codecs.rows import RowLayout
 
     layout = RowLayout("nvfp4", 512, 64)
     bank = torch.zeros(4, layout.nbytes, dtype=torch.uint8)

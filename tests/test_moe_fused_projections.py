@@ -12,7 +12,7 @@ import torch
 from ftchat.model import layers
 from ftchat.model.config import ModelArgs
 from ftchat.model.qwen4_exp import Weights, moe_block, route_ref
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.spec import dense_specs
 from ftchat.model.synth import _init, preset_config
 from ftchat.offload.backend import ResidentExperts

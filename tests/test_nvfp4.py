@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from ftchat.errors import ModelError
-from ftchat.model import nvfp4
-from ftchat.model.nvfp4 import COMPRESSED_TENSORS, MODELOPT
+from ftchat.codecs import nvfp4
+from ftchat.codecs.nvfp4 import COMPRESSED_TENSORS, MODELOPT
 
 # The E2M1 table, written out by hand (code -> value).
 TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 from tests.kernel_inputs import random_rows
 

@@ -14,7 +14,7 @@ import torch
 from ftchat.engine import LoadedModel, generate, load_model, resident_backend
 from ftchat.errors import FtchatError
 from ftchat.model import synth, synth_memory
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.synth_memory import model_args, synthetic_model
 from ftchat.profile import kernels_per_call, profile_call, union_us
 

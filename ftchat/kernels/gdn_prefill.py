@@ -119,9 +119,8 @@ def chunk_scan(q: Tensor, k: Tensor, gamma: Tensor, A: Tensor, X: Tensor, S: Ten
     Returns:
         o [B, H, T', dv] fp32.
     """
-    from ftchat.model.gdn import CHUNK
-
     B, H, T, dk = k.shape
+    CHUNK = A.shape[-1]  # the chunk length the caller split T into (A is [.., C, C])
     dv = X.shape[-1] - dk  # X.shape[-1] = dv + dk
     assert gdn_prefill_supported(dk, dv) and T % CHUNK == 0
     assert q.shape == k.shape and gamma.shape == (B, H, T) and S.shape == (B, H, dk, dv)
@@ -133,7 +132,7 @@ def chunk_scan(q: Tensor, k: Tensor, gamma: Tensor, A: Tensor, X: Tensor, S: Ten
     assert dv % bv == 0 and bv & (bv - 1) == 0 and bv >= 16
     num_warps = num_warps or (8 if dk * bv > 4096 else 4)
     # 16-column tiles over 8 warps hit an illegal address on the H200 (bench_gdn_prefill's
-    # sweep, session 10); 16 x 4 warps and the defaults ran and matched the torch path
+    # sweep); 16 x 4 warps and the defaults ran and matched the torch path
     assert not (bv < 32 and num_warps > 4), "block_v 16 takes at most 4 warps"
     o = torch.empty(B, H, T, dv, dtype=torch.float32, device=k.device)
     _chunk_scan_kernel[(B * H, dv // bv)](

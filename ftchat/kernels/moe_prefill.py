@@ -69,7 +69,7 @@ from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
 from ftchat.kernels.hyper import _rnd
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at decoration, as here
 INTERPRET_SMS = 4  # "SMs" of the interpreter: a few persistent programs, each loops over tiles

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
 from ftchat.kernels.hyper import _rnd
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 
 BLOCK = 1024  # bytes a program (2,048 weights): 1 KB of codes in, 4-8 KB out
 

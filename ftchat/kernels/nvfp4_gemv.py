@@ -87,7 +87,7 @@ from ftchat.kernels.fp4 import _e2m1_bytes, _e2m1_bytes_ptx, _e2m1_pair, _e2m1_w
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 
 NVFP4_MAX_ROWS = 8  # decode batches: each row costs a multiply-add per decoded weight
 DISPATCH_MAX_ROWS = NVFP4_MAX_ROWS  # `linear` takes the kernel for every decode batch: the

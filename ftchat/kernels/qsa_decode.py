@@ -62,7 +62,7 @@ from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _rnd
-from ftchat.model.kv_cache import FP8, FP8_MAX, is_fp8
+from ftchat.codecs.fp8 import FP8, FP8_MAX, is_fp8
 
 QSA_MAX_ROWS = 8  # decode batches; more rows keep the torch path
 SMS = 132  # H200 SMs: the split count aims at about two programs per SM

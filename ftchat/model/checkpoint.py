@@ -1,7 +1,7 @@
 """Reading a qwen4_exp checkpoint folder: config, sharded safetensors, bf16 or NVFP4 (two dialects).
 
 Dense weights come back as one name -> tensor dict (names relative to the text-model prefix);
-routed experts come back one layer at a time as packed rows [E, R] (ftchat.model.rows layout),
+routed experts come back one layer at a time as packed rows [E, R] (ftchat.codecs.rows layout),
 which is what the host store holds. Every problem is one ModelError naming the file and tensor.
 """
 
@@ -17,10 +17,10 @@ from torch import Tensor
 
 from ftchat.errors import ModelError
 from ftchat.kernels import ple_gather
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 from ftchat.model.config import ModelArgs, read_config_json
 from ftchat.model.ngram_table import HostTable, NGramTable, load_host_table
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.spec import dense_specs, expert_name, expert_specs
 
 PREFIXES = ("model.language_model.", "model.")

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ftchat.errors import FtchatError
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs, expert_name
 from ftchat.model.synth import FORMATS, PREFIX, _ShardWriter, _unquantized_modules

@@ -25,7 +25,7 @@ from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
 from ftchat.kernels.gdn_prefill import chunk_scan, gdn_prefill_supported
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import fuse_layers, fuse_rows, gated_rms_norm, l2norm
-from ftchat.model.nvfp4 import Nvfp4Weight
+from ftchat.codecs.nvfp4 import Nvfp4Weight
 
 CHUNK = 64
 # Tokens of a prefill the chunked rule forms at once (a multiple of CHUNK): the GDN prefill's

@@ -24,30 +24,9 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0  # the largest finite e4m3fn value: 1.75 * 2^8
+from ftchat.codecs.fp8 import FP8, dequantize_rows, is_fp8, quantize_rows
+
 KV_DTYPES = {"auto": None, "fp8": FP8}  # --kv-cache-dtype -> storage dtype (None: the model's)
-
-
-def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
-    """x [..., hd] (any float dtype) -> codes [..., hd] float8_e4m3fn, scale [...] fp32."""
-    xf = x.float()
-    amax = xf.abs().amax(-1)
-    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a Python-scalar divisor,
-    # which can differ by an ulp from the division the kernel does
-    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), 1.0)
-    codes = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return codes, scale
-
-
-def dequantize_rows(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """codes [..., hd] float8_e4m3fn, scale [...] fp32 -> [..., hd] in dtype."""
-    return (codes.float() * scale[..., None]).to(dtype)
-
-
-def is_fp8(cache: Mapping[str, Tensor]) -> bool:
-    """Whether a layer cache stores K/V as FP8 codes with scales (else in the model dtype)."""
-    return cache["k"].dtype == FP8
 
 
 def layer_kv(batch: int, max_len: int, kv_heads: int, head_dim: int, device,

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from ftchat.errors import FtchatError
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 from ftchat.model.config import ModelArgs
 from ftchat.model.ple import layer_multipliers, table_rows
 from ftchat.model.spec import dense_specs, expert_name, expert_specs

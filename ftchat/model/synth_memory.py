@@ -23,11 +23,12 @@ from torch import Tensor
 
 from ftchat.engine import PLE_ON_DEVICE_BYTES, LoadedModel
 from ftchat.errors import FtchatError
-from ftchat.model import embedding, nvfp4, synth
+from ftchat.codecs import nvfp4
+from ftchat.model import embedding, synth
 from ftchat.model.config import ModelArgs
-from ftchat.model.nvfp4 import Nvfp4Weight
+from ftchat.codecs.nvfp4 import Nvfp4Weight
 from ftchat.model.qwen4_exp import Weights
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.synth import DenseTensor, ExpertTensors
 
 SHARD = ".ngram_embedding.shard_"

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ftchat.kernels import SLOT_VIEW
 from ftchat.model.expert_backend import Pending, SharedIn, SharedOut
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows

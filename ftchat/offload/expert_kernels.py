@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ftchat.model.expert_backend import SharedIn, SharedOut
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload.experts import expert_weights, routed_experts
 
 from ftchat.kernels import (HAS_TRITON, SHARED_FOLD, gemv, jit as _jit, pdl_launch,  # noqa: F401

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ftchat.kernels import moe_prefill, nvfp4_dequant, use_fused
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 
 
 # Experts dequantized at once by the torch path: a prefill chunk routes to nearly all 512 of a

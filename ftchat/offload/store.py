@@ -15,7 +15,7 @@ from torch import Tensor
 
 from ftchat.errors import FtchatError
 from ftchat.model.checkpoint import Checkpoint
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 
 
 def fill_host_rows(ckpt: Checkpoint, layout: RowLayout,

@@ -16,7 +16,7 @@ import torch
 from ftchat.errors import FtchatError, ModelError
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.spec import dense_specs
 from ftchat.settings import context_tokens
 

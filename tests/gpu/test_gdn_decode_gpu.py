@@ -40,7 +40,8 @@ import torch
 
 from ftchat.kernels import HAS_TRITON
 from ftchat.kernels import gdn_decode as gk, sync
-from ftchat.model import gdn, nvfp4
+from ftchat.codecs import nvfp4
+from ftchat.model import gdn
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
 from ftchat.model.synth import _init, preset_config

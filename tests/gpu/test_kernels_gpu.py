@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload import copy as copy_mod
 from ftchat.offload import expert_kernels as ek
 from ftchat.offload.experts import routed_experts

@@ -53,7 +53,7 @@ from ftchat.kernels import fused_kernels, gemv, router, shared_fold_kernels, syn
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
 from ftchat.model.expert_backend import SharedIn, SharedOut
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload import expert_kernels as ek
 from ftchat.offload.backend import ResidentExperts
 from ftchat.offload.experts import routed_experts

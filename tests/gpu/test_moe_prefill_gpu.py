@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from ftchat.kernels import fused_kernels, moe_prefill as mp
-from ftchat.model import nvfp4
-from ftchat.model.rows import RowLayout
+from ftchat.codecs import nvfp4
+from ftchat.codecs.rows import RowLayout
 from ftchat.offload.experts import routed_experts, routed_experts_torch
 from tests.kernel_inputs import exact_rows, kernel_device, place, random_rows
 

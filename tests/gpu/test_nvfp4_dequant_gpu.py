@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ftchat.kernels import fused_kernels, nvfp4_dequant as nd
-from ftchat.model.rows import RowLayout
+from ftchat.codecs.rows import RowLayout
 from tests.kernel_inputs import kernel_device, random_rows
 
 pytestmark = pytest.mark.gpu

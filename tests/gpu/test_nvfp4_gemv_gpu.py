@@ -39,7 +39,7 @@ import pytest
 import torch
 
 from ftchat.kernels import HAS_TRITON, fp4, fused_kernels, nvfp4_gemv as ng, sync, tl, triton
-from ftchat.model import nvfp4
+from ftchat.codecs import nvfp4
 from tests.kernel_inputs import capture, kernel_device
 
 
