@@ -1,0 +1,396 @@
+#!/usr/bin/env bash
+# The device machine's one entry point: the GPU tests and the figures docs/performance.md and
+# docs/reliability.md cite. Each mode writes $OUT/NAME.json (OUT defaults to /tmp/out) and its
+# log, then prints a short summary. From the repository root:
+#
+#   run(command="bash benchmarks/device.sh MODE[,MODE...] [FILES...]", timeout_s=600)
+#
+# Modes (settings are environment variables, default after '='):
+#   gpu-tests [FILES]  `pytest -m gpu` over FILES (default tests/gpu): the collected tests dealt
+#              round robin to SHARDS=4 processes at once, each under TESTS_S=540 s; per shard
+#              passed / failed / errors / skipped / not run, then the failures
+#              -> gpu_tests.json, gpu_tests_shard<i>.log
+#   decode48   decode tok/s at 48 layers, every expert resident: `ftchat bench` on the
+#              flash-next model built in memory (random weights, NVFP4 experts, GDN qkv / z in
+#              NVFP4), arms side by side in one process [ARMS='resident;resident:fused=0',
+#              CTX=4k,32k, STEPS=16, ROUNDS=3, DECODE_S=540] -> decode48_resident.json
+#   offload48  the same offloaded at SLOTS=1650 [ARMS='resident;off;on;on:budget=4',
+#              CTX=32k,255k] -> decode48_offload.json
+#   prefill48  prompt prefill tok/s at 48 layers, offloaded at 1,650 slots (staging, layer
+#              streaming) and resident: benchmarks/profile_prefill.py [LENGTHS=32768 (a comma
+#              list: one process each), CHUNKS=8192, PREFILL_ARMS=offload,resident,
+#              PREFILL_S=540] -> prefill48_<tokens>.json
+#   e2e48      one long prompt end to end at 48 layers under --vram-budget, as `ftchat run`
+#              runs it (the 16 GB configuration): benchmarks/e2e48.py [E2E_TOKENS=261000,
+#              BUDGET=15.9, E2E_CHUNK=3072, SLOTS=1650, E2E_S=540] -> e2e48.json
+#   verify     `ftchat verify` prefetch on vs off, eager and CUDA-graph replay, audit every 64,
+#              budget 4: one process per prompt seed, WORKERS at once [MODEL=demo (or fn4: the
+#              4-layer flash-next checkpoint, written by `ftchat synth` first; or a folder),
+#              SEEDS=0 (e.g. 0-34 or 0,3,5), WORKERS=1, MPS=0 (1: an MPS daemon for the
+#              workers, stopped after), PROMPTS=6, TOKENS=256, SLOTS (demo 96, fn4 137),
+#              VERIFY_S=560 a process] -> verify_<model>.json (totals and every shard)
+#   soak       scripts/soak.py on the demo model, prefetch on, budget 4, 96 slots [MINUTES=15];
+#              one that cannot finish within the call starts detached, and `soak-wait`
+#              [WAIT_S=540] collects it in a later call -> soak_demo.jsonl
+# NAME renames the output of a one-output mode (e.g. NAME=decode48_skip ARMS=... decode48).
+# Every step runs under a timeout; a failed step is named and the next one runs.
+# Exit status: 0 all passed, 1 a step failed, 2 usage, 3 a detached soak is still running.
+set -u
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+O=${OUT:-/tmp/out}
+W=/tmp/ftchat_device  # scratch: shard lists, per-process outputs (not returned)
+MODES="gpu-tests decode48 offload48 prefill48 e2e48 verify soak soak-wait"
+FAILED=()
+PENDING=0
+
+usage() {
+  echo "usage: bash benchmarks/device.sh MODE[,MODE...] [FILES...]   MODE: ${MODES// / | }" >&2
+  echo "       (settings as environment variables: see the comment at the top of $0)" >&2
+  exit 2
+}
+
+# run_step NAME SECONDS STDOUT STDERR CMD...: CMD under a timeout; a failure is recorded
+run_step() {
+  local name=$1 secs=$2 out=$3 err=$4 rc t0=$SECONDS
+  shift 4
+  timeout --kill-after=20 "$secs" "$@" > "$out" 2> "$err"
+  rc=$?
+  if [ $rc -eq 0 ]; then
+    echo "[$name] ok in $((SECONDS - t0)) s"
+  else
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+      echo "[$name] timed out after $secs s"
+    else
+      echo "[$name] failed: exit $rc after $((SECONDS - t0)) s"
+    fi
+    FAILED+=("$name")
+    tail -n 15 "$err" | cut -c1-300 | sed 's/^/    /'
+  fi
+  return $rc
+}
+
+# summarize KIND FILE...: reads the files a mode wrote and prints its summary (reads only)
+summarize() {
+  python3 - "$@" <<'PY'
+import json, sys
+
+kind, files = sys.argv[1], sys.argv[2:]
+
+
+def last_json(path):
+    with open(path) as f:
+        lines = [l for l in f.read().splitlines() if l.strip()]
+    return json.loads(lines[-1])
+
+
+def f(x, fmt="{:.1f}"):
+    return "-" if x is None else fmt.format(x)
+
+
+if kind == "bench":  # ftchat bench --json: {context: {arm: figures}}
+    res = last_json(files[0])
+    layers = int(files[1])
+    print(f"{'context':>8} {'arm':<26} {'tok/s':>8} {'us/layer':>9} {'kern/layer':>10} "
+          f"{'busy us/l':>9} {'misses/tok':>10} {'installs/tok':>12} {'precision':>9} {'setup s':>7}")
+    for i, (ctx, arms) in enumerate(res.items()):
+        for name, v in arms.items():
+            g = v.get
+            print(f"{ctx:>8} {name:<26} {f(g('tok_s')):>8} {f(g('ms_per_layer', 0) * 1e3):>9} "
+                  f"{f(g('kernels_per_layer')):>10} {f(g('busy_us_per_layer')):>9} "
+                  f"{f(g('misses_per_token')):>10} {f(g('prefetch_installs_per_token')):>12} "
+                  f"{f(g('precision'), '{:.2f}'):>9} {f(g('setup_s')):>7}")
+        peak = next(iter(arms.values()))
+        print(f"{'':>8} VRAM peak reserved {f(peak.get('vram_peak_reserved_mib'), '{:,.0f}')} MiB")
+    ctx, arms = next(iter(res.items()))
+    name, v = next(iter(arms.items()))
+    if v.get("top_kernels"):
+        print(f"top kernels of {name} at {ctx} (us a layer, launches a step):")
+        for kname, count, us in v["top_kernels"][:10]:
+            print(f"  {us / layers:8.1f} {count:6d}x  {kname[:90]}")
+
+elif kind == "e2e":  # benchmarks/e2e48.py: one JSON line
+    r = last_json(files[0])
+    print(f"{r['tokens']} tokens, {r['layers']} layers, {r['slots']} slots, budget "
+          f"{r['budget_gib']} GiB, chunk {r['chunk']}: prefill {r.get('prefill_s')} s = "
+          f"{r.get('prefill_tok_s')} tok/s; decode {r.get('decode_tok_s')} tok/s over "
+          f"{r.get('decoded')} tokens")
+    print("peaks:", {k: v for k, v in r.items() if k.startswith("vram_")})
+    for g, v in (r.get("per_item_mib") or {}).items():
+        print(f"  {g:<52} planned {v['planned']:>9} MiB, measured {v['measured']} MiB")
+
+elif kind == "prefill":  # benchmarks/profile_prefill.py --out
+    for path in files:
+        r = json.load(open(path))
+        print(f"{r['tokens']} tokens, {r['layers']} layers (model built in {r['build_s']} s):")
+        for name, v in r["runs"].items():
+            print(f"  {name:<24} {v['tok_s']:10.1f} tok/s  {v['ms_per_chunk_layer']:8.2f} ms a "
+                  f"chunk-layer  copied {v['copy_gb']:8.2f} GB (link alone "
+                  f"{v['link_ms_per_chunk_layer']:.2f} ms a chunk-layer)")
+
+elif kind == "verify":  # shard JSONs -> one file with totals; argv: out, tag, tree, shard files
+    out, tag, tree, shard_files = files[0], files[1], files[2], files[3:]
+    keys = ("prompts", "mismatches", "graph_mismatches", "graph_prefetch_mismatches",
+            "verifier_records", "audits", "bad_slots")
+    shards, lost = [], {}
+    for path in shard_files:
+        seed = path.rsplit("seed", 1)[1].split(".")[0]
+        try:
+            shards.append(last_json(path))
+        except (OSError, ValueError, IndexError):
+            lost[seed] = "no JSON (see the log)"
+    total = {k: sum(s.get(k) or 0 for s in shards) for k in keys}
+    secs = {}
+    for s in shards:
+        for p in s.get("per_prompt", []):
+            for arm, t in (p.get("seconds") or {}).items():
+                secs.setdefault(arm, []).append(t)
+    total["mean_seconds_per_prompt"] = {a: round(sum(t) / len(t), 2) for a, t in secs.items()}
+    total.update(shards=len(shards), prompt_seeds=sorted(s.get("prompt_seed") for s in shards),
+                 tree=tree, model=tag)
+    if lost:
+        total["lost_shards"] = lost
+    json.dump({"total": total, "shards": shards}, open(out, "w"))
+    print(f"verify {tag}: " + ", ".join(f"{k} {v}" for k, v in total.items()
+                                        if k not in ("prompt_seeds",)))
+
+elif kind == "soak":  # scripts/soak.py JSON lines
+    rows = [json.loads(l) for l in open(files[0]) if l.strip()]
+    iv = [r for r in rows if r.get("kind") == "interval"]
+    if iv:
+        print(f"soak: {len(iv)} intervals, tok/s {min(r['tok_s'] for r in iv)}-"
+              f"{max(r['tok_s'] for r in iv)}, worst gap {max(r['worst_gap_ms'] for r in iv)} ms, "
+              f"RSS {min(r['rss'] for r in iv) / 2**20:.0f}-{max(r['rss'] for r in iv) / 2**20:.0f}"
+              f" MiB, VRAM reserved {max(r['vram_reserved'] for r in iv) / 2**20:.0f} MiB")
+    for r in rows:
+        if r.get("kind") != "interval":
+            print("soak", json.dumps(r)[:400])
+
+elif kind == "gpu-tests":  # argv: out json, then per shard: log, rc file, ids file
+    import re
+    out, rest = files[0], files[1:]
+    line = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+    shards, failures = [], []
+    for i in range(0, len(rest), 3):
+        log, rc_file, ids = rest[i : i + 3]
+        counts = dict.fromkeys(("passed", "failed", "errors", "skipped", "xfail", "xpass"), 0)
+        seen = set()
+        for l in open(log, errors="replace"):
+            m = line.match(l)
+            if not m:
+                continue
+            word = {"ERROR": "errors"}.get(m[2], m[2].lower())
+            counts[word] += 1
+            seen.add(m[1])
+            if m[2] in ("FAILED", "ERROR"):
+                failures.append(f"{m[1]} {m[2]}")
+        assigned = sum(1 for l in open(ids) if l.strip())
+        rc = int(open(rc_file).read().strip() or -1)
+        shards.append({"shard": i // 3, "rc": rc, "timed_out": rc in (124, 137),
+                       "assigned": assigned, "not_run": assigned - len(seen), **counts})
+        print(f"shard {i // 3}: rc {rc}{' (timed out)' if rc in (124, 137) else ''}, "
+              + ", ".join(f"{k} {v}" for k, v in counts.items() if v or k in ("passed", "failed"))
+              + f", not run {assigned - len(seen)} of {assigned}")
+    total = {k: sum(s[k] for s in shards) for k in ("assigned", "passed", "failed", "errors",
+                                                    "skipped", "not_run")}
+    json.dump({"total": total, "shards": shards, "failures": failures}, open(out, "w"), indent=1)
+    print("total: " + ", ".join(f"{k} {v}" for k, v in total.items()))
+    for x in failures[:40]:
+        print("  " + x)
+PY
+}
+
+device_info() {  # what ran where: $OUT/device.txt
+  {
+    date -u +%FT%TZ
+    echo "tree $TREE"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1
+    python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" 2>&1
+    python3 -c "import triton; print('triton', triton.__version__)" 2>&1 | tail -1
+  } > "$O/device.txt"
+  cat "$O/device.txt"
+}
+
+gpu_tests() {  # FILES...
+  local files=("$@") n=${SHARDS:-4} secs=${TESTS_S:-540} s count ids=()
+  [ ${#files[@]} -eq 0 ] && files=(tests/gpu)
+  mkdir -p "$W/gpu_tests" && rm -f "$W"/gpu_tests/*
+  python3 -m pytest -o addopts= -p no:cacheprovider -m gpu --collect-only -q "${files[@]}" \
+    > "$O/gpu_tests_collect.log" 2>&1 || { echo "[gpu-tests] collection failed:"; FAILED+=(gpu-tests-collect)
+      grep -E "^(ERROR|E )" "$O/gpu_tests_collect.log" | head -20 | sed 's/^/    /'; }
+  grep '::' "$O/gpu_tests_collect.log" > "$W/gpu_tests/ids.txt"
+  count=$(wc -l < "$W/gpu_tests/ids.txt")
+  [ "$count" -gt 0 ] || { echo "[gpu-tests] no test collected"; FAILED+=(gpu-tests); return; }
+  [ "$n" -le "$count" ] || n=$count  # no empty shard: pytest without ids would run everything
+  echo "[gpu-tests] $count tests in ${files[*]}, $n shards, $secs s each"
+  for ((s = 0; s < n; s++)); do
+    awk -v s=$s -v n=$n 'NR % n == s' "$W/gpu_tests/ids.txt" > "$W/gpu_tests/ids_$s.txt"
+    (
+      mapfile -t ids < "$W/gpu_tests/ids_$s.txt"
+      timeout --kill-after=20 "$secs" python3 -m pytest -o addopts= -p no:cacheprovider -m gpu \
+        -v -rfE --tb=short "${ids[@]}" > "$O/gpu_tests_shard$s.log" 2>&1
+      echo $? > "$W/gpu_tests/rc_$s"
+    ) &
+  done
+  wait
+  local args=()
+  for ((s = 0; s < n; s++)); do
+    args+=("$O/gpu_tests_shard$s.log" "$W/gpu_tests/rc_$s" "$W/gpu_tests/ids_$s.txt")
+    [ "$(cat "$W/gpu_tests/rc_$s")" = 0 ] || FAILED+=("gpu-tests shard $s")
+  done
+  summarize gpu-tests "$O/gpu_tests.json" "${args[@]}"
+}
+
+bench48() {  # NAME ARMS CTX [more bench flags]
+  local name=${NAME:-$1} arms=$2 ctx=$3
+  shift 3
+  run_step "$name" "${DECODE_S:-540}" "$O/$name.json" "$O/$name.log" \
+    python3 -m ftchat.cli bench --synthetic flash-next --layers 48 --dense nvfp4 --json \
+    --arms "$arms" --context "$ctx" --steps "${STEPS:-16}" --rounds "${ROUNDS:-3}" "$@" \
+    && summarize bench "$O/$name.json" 48
+}
+
+prefill48() {
+  local t lengths=${LENGTHS:-32768} outs=()
+  for t in ${lengths//,/ }; do
+    run_step "prefill48_$t" "${PREFILL_S:-540}" "$O/prefill48_$t.log" "$O/prefill48_$t.err" \
+      python3 benchmarks/profile_prefill.py --layers 48 --tokens "$t" --chunk "${CHUNKS:-8192}" \
+      --slots "${SLOTS:-1650}" --dense nvfp4 --arms "${PREFILL_ARMS:-offload,resident}" \
+      --out "$O/prefill48_$t.json" && outs+=("$O/prefill48_$t.json")
+  done
+  [ ${#outs[@]} -gt 0 ] && summarize prefill "${outs[@]}"
+}
+
+e2e48() {
+  local name=${NAME:-e2e48} t=${E2E_TOKENS:-261000}
+  run_step "$name" "${E2E_S:-540}" "$O/$name.json" "$O/$name.log" \
+    python3 benchmarks/e2e48.py --tokens "$t" --context $((t + 120)) --budget "${BUDGET:-15.9}" \
+    --chunk "${E2E_CHUNK:-3072}" --slots "${SLOTS:-1650}" && summarize e2e "$O/$name.json"
+}
+
+seeds_of() {  # "0-3,7" -> 0 1 2 3 7
+  local part
+  for part in ${1//,/ }; do
+    [[ $part =~ ^[0-9]+(-[0-9]+)?$ ]] || { echo "SEEDS: $part is not N or N-M" >&2; return 2; }
+    if [[ $part == *-* ]]; then seq "${part%-*}" "${part#*-}"; else echo "$part"; fi
+  done
+}
+
+verify() {
+  local tag=${MODEL:-demo} model=() slots seeds seed files=() mps=0
+  case $tag in
+    demo) slots=${SLOTS:-96} ;;
+    fn4)
+      slots=${SLOTS:-137} model=(/tmp/fn4)
+      if [ ! -f /tmp/fn4/config.json ]; then
+        rm -rf /tmp/fn4
+        run_step synth-fn4 300 "$O/synth_fn4.log" "$O/synth_fn4.log.err" python3 -m ftchat.cli \
+          synth /tmp/fn4 --preset flash-next --layers 4 --format nvfp4-modelopt --dense nvfp4 \
+          || return
+      fi ;;
+    *)
+      [ -n "${SLOTS:-}" ] || { echo "[verify] MODEL=$tag needs SLOTS" >&2; FAILED+=(verify); return; }
+      slots=$SLOTS model=("$tag") tag=$(basename "$tag") ;;
+  esac
+  seeds=$(seeds_of "${SEEDS:-0}") || { FAILED+=(verify); return; }
+  mkdir -p "$W/verify" && rm -f "$W/verify/${tag}"_*
+  if [ "${MPS:-0}" = 1 ]; then
+    export CUDA_MPS_PIPE_DIRECTORY=$W/mps_pipe CUDA_MPS_LOG_DIRECTORY=$W/mps_log
+    mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
+    if nvidia-cuda-mps-control -d; then mps=1; echo "[verify] MPS on"
+    else unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; echo "[verify] MPS did not start"; fi
+  fi
+  echo "[verify] $tag: seeds $(echo $seeds), ${WORKERS:-1} at once, ${PROMPTS:-6} prompts x ${TOKENS:-256} tokens, $slots slots"
+  for seed in $seeds; do
+    while [ "$(jobs -rp | wc -l)" -ge "${WORKERS:-1}" ]; do wait -n; done
+    files+=("$W/verify/${tag}_seed$seed.json")
+    (
+      t0=$SECONDS
+      OMP_NUM_THREADS=2 timeout --kill-after=20 "${VERIFY_S:-560}" python3 -m ftchat.cli verify \
+        "${model[@]}" --prompts "${PROMPTS:-6}" --max-new-tokens "${TOKENS:-256}" --budget 4 \
+        --audit-every 64 --slots "$slots" --graph --prompt-seed "$seed" --json \
+        > "$W/verify/${tag}_seed$seed.json" 2> "$W/verify/${tag}_seed$seed.err"
+      echo "seed $seed: exit $? in $((SECONDS - t0)) s" >> "$W/verify/${tag}_done.log"
+    ) &
+  done
+  wait
+  [ $mps = 1 ] && echo quit | nvidia-cuda-mps-control
+  for seed in $seeds; do  # one log: each process's exit and the tail of its stderr
+    grep "^seed $seed:" "$W/verify/${tag}_done.log"
+    tail -n 5 "$W/verify/${tag}_seed$seed.err" | sed 's/^/    /'
+  done > "$O/verify_$tag.log"
+  grep -v "exit 0 " "$W/verify/${tag}_done.log" | sed 's/^/[verify] /'
+  grep -q -v "exit 0 " "$W/verify/${tag}_done.log" && FAILED+=("verify $tag")
+  summarize verify "$O/verify_$tag.json" "$tag" "$TREE" "${files[@]}"
+}
+
+soak_collect() {  # the soak's JSON lines and log into $OUT, its exit status recorded
+  local dir=$W/soak
+  cp "$dir/soak.jsonl" "$O/soak_demo.jsonl" 2> /dev/null
+  cp "$dir/soak.log" "$O/soak_demo.log" 2> /dev/null
+  [ -s "$O/soak_demo.jsonl" ] && summarize soak "$O/soak_demo.jsonl"
+  if [ ! -f "$dir/rc" ]; then
+    echo "[soak] still running: collect it with soak-wait"; PENDING=1
+  elif [ "$(cat "$dir/rc")" != 0 ]; then
+    echo "[soak] failed: exit $(cat "$dir/rc")"; tail -n 5 "$dir/soak.log"; FAILED+=(soak)
+  else
+    echo "[soak] passed"
+  fi
+}
+
+soak() {
+  local dir=$W/soak minutes=${MINUTES:-15} secs
+  secs=$(awk -v m="$minutes" 'BEGIN { print int(m * 60 + 0.999) }')
+  if [ -f "$dir/pid" ] && kill -0 "$(cat "$dir/pid")" 2> /dev/null; then
+    echo "[soak] one is running already (pid $(cat "$dir/pid")): soak-wait collects it"
+    PENDING=1; return
+  fi
+  rm -rf "$dir" && mkdir -p "$dir"
+  local cmd=(python3 scripts/soak.py --minutes "$minutes" --prefetch on --budget 4
+             --slots "${SLOTS:-96}" --out "$dir/soak.jsonl")
+  if [ $((secs + 90)) -le "${SOAK_FG_S:-540}" ]; then  # it fits in this call
+    timeout --kill-after=20 $((secs + 120)) "${cmd[@]}" > "$dir/soak.log" 2>&1
+    echo $? > "$dir/rc"
+    soak_collect
+  else  # its own session, so it outlives this call while the machine stays held
+    setsid nohup bash -c '"$@" > "$0/soak.log" 2>&1; echo $? > "$0/rc"' "$dir" "${cmd[@]}" \
+      < /dev/null > /dev/null 2>&1 &
+    echo $! > "$dir/pid"
+    echo "[soak] started detached (pid $!, $minutes min): run soak-wait before the machine idles out"
+    PENDING=1
+  fi
+}
+
+soak_wait() {
+  local dir=$W/soak end=$((SECONDS + ${WAIT_S:-540}))
+  [ -d "$dir" ] || { echo "[soak-wait] no soak was started on this machine"; FAILED+=(soak); return; }
+  while [ ! -f "$dir/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  soak_collect
+}
+
+[ $# -ge 1 ] || usage
+mode_list=${1//,/ }
+shift
+for m in $mode_list; do [[ " $MODES " == *" $m "* ]] || usage; done
+mkdir -p "$O" "$W"
+TREE=${TREE:-$(git rev-parse --short HEAD 2> /dev/null || echo unknown)}
+device_info
+for m in $mode_list; do
+  echo "=== $m"
+  case $m in
+    gpu-tests) gpu_tests "$@" ;;
+    decode48) bench48 decode48_resident "${ARMS:-resident;resident:fused=0}" "${CTX:-4k,32k}" ;;
+    offload48) bench48 decode48_offload "${ARMS:-resident;off;on;on:budget=4}" "${CTX:-32k,255k}" \
+                 --slots "${SLOTS:-1650}" ;;
+    prefill48) prefill48 ;;
+    e2e48) e2e48 ;;
+    verify) verify ;;
+    soak) soak ;;
+    soak-wait) soak_wait ;;
+  esac
+done
+if [ ${#FAILED[@]} -gt 0 ]; then
+  echo "FAILED: ${FAILED[*]}"
+  exit 1
+fi
+[ $PENDING = 1 ] && exit 3
+echo "all passed"
