@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from bench_moe_prefill import time_ms  # CUDA-event median (run from benchmarks/ as a script)
 
-from ftchat.kernels import fused_kernels
 from ftchat.kernels import gdn_prefill as gp
+from ftchat.kernels.config import KernelConfig
 from ftchat.model import gdn
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
@@ -61,12 +61,12 @@ def bench_rule(T: int) -> dict:
     q, k, v, g, beta, S0 = rule_inputs(T)
     out, res = {}, {}
     for name, on in (("torch", False), ("kernel", True)):
-        with fused_kernels(on):
-            S = S0.clone()
-            res[name] = (gdn.delta_rule_chunked(q, k, v, g, beta, S), S)
-            out[f"{name}_ms"] = ms(lambda: gdn.delta_rule_chunked(q, k, v, g, beta, S0.clone()))
-            out[f"{name}_peak_mib"] = peak(
-                lambda: gdn.delta_rule_chunked(q, k, v, g, beta, S0.clone())) / 2**20
+        kc = KernelConfig(fused=on)
+        S = S0.clone()
+        res[name] = (gdn.delta_rule_chunked(q, k, v, g, beta, S, kc=kc), S)
+        out[f"{name}_ms"] = ms(lambda: gdn.delta_rule_chunked(q, k, v, g, beta, S0.clone(), kc=kc))
+        out[f"{name}_peak_mib"] = peak(
+            lambda: gdn.delta_rule_chunked(q, k, v, g, beta, S0.clone(), kc=kc)) / 2**20
     (ref, S_ref), (got, S_got) = res["torch"], res["kernel"]
     out["out_rel_diff"] = float((got - ref).abs().max() / ref.abs().max())
     out["S_rel_diff"] = float((S_got - S_ref).abs().max() / S_ref.abs().max())
@@ -92,10 +92,10 @@ def bench_mixer(a: ModelArgs, w: dict, T: int, dtype=torch.bfloat16) -> dict:
     S = torch.randn(1, Hv, dk, dv, device="cuda") * 0.3
     out = {}
     for name, on in (("torch", False), ("kernel", True)):
-        with fused_kernels(on):
-            out[f"{name}_ms"] = ms(lambda: gdn.gdn_mixer_ref(x, w, conv.clone(), S.clone(), a))
-            out[f"{name}_peak_mib"] = peak(
-                lambda: gdn.gdn_mixer_ref(x, w, conv.clone(), S.clone(), a)) / 2**20
+        kc = KernelConfig(fused=on)
+        out[f"{name}_ms"] = ms(lambda: gdn.gdn_mixer_ref(x, w, conv.clone(), S.clone(), a, kc=kc))
+        out[f"{name}_peak_mib"] = peak(
+            lambda: gdn.gdn_mixer_ref(x, w, conv.clone(), S.clone(), a, kc=kc)) / 2**20
     out["speedup"] = out["torch_ms"] / out["kernel_ms"]
     return out
 

@@ -19,11 +19,9 @@ a), at each bs, next to cuBLAS and linear_triton on the bf16 [16480, 2560] weigh
 weights dequantized), all cycled beyond L2 as above. GB/s counts the bytes a call moves: for
 NVFP4 codes, block scales, globals, tail, x and output (~24 MB against the bf16 84 MB).
 max_abs_diff is against nvfp4_linear_ref (fp32 math on the exact weights, rounded once).
---sweep also times nvfp4_gemv.SWEEP; --nvfp4-tiles times given tiles (BNxBKsSPLITwWARPS, then
-optionally tT for the tail rows, then flags in any order: "ptx" or "bits" for the decode (else
-the default, bits), "byte" the byte-form decode (with ptx its PTX form), "tc" the tensor-core
-tiles, "x1d" or "rows" the x-once reads (Nvfp4Tiles.x1d / .rowloop), e.g. 8x512s5w1t4ptx,
-8x512s5w1ptxbytex1d, 8x512s1w1t4ptxbyterows; `repr` of the tiles is what the JSON records).
+--nvfp4-tiles times given tiles (BNxBKsSPLITwWARPS, then optionally tT for the tail rows, then
+flags: "tc" the tensor-core tiles, "rows" the row loop (Nvfp4Tiles.tc / .rowloop), e.g.
+8x512s5w1t4, 64x256s10w4tc, 8x512s1w1t4rows; `repr` of the tiles is what the JSON records).
 
 Measured (H200, 2026-12-01, bs 1 / 2, us per call, F.linear -> linear_triton default tiles):
 2560x6144 12.1 -> 10.5 / 12.9 -> 11.8; 1281x2560 5.5 -> 5.0 / 12.8 -> 5.8; 2560x640 4.2 -> 3.3 /
@@ -116,14 +114,12 @@ def parse_tiles(spec: str) -> gemv.GemvTiles:
     return gemv.GemvTiles(*(int(g) for g in m.groups()))
 
 
-NVFP4_FLAGS = {"ptx": ("ptx", True), "bits": ("ptx", False), "byte": ("byte_dec", True),
-               "tc": ("tc", True), "x1d": ("x1d", True), "rows": ("rowloop", True)}
+NVFP4_FLAGS = {"tc": ("tc", True), "rows": ("rowloop", True)}
 
 
 def parse_nvfp4_tiles(spec: str) -> nvfp4_gemv.Nvfp4Tiles:
-    """'BNxBKsSPLITwWARPS[tTAIL][flags]', flags any of ptx / bits, byte, tc, x1d / rows (see the
-    module docstring), e.g. '8x512s5w1', '8x512s5w1t8ptx', '8x512s1w1ptxbyterows' (no flag: the
-    Nvfp4Tiles defaults)."""
+    """'BNxBKsSPLITwWARPS[tTAIL][flags]', flags tc or rows (see the module docstring), e.g.
+    '8x512s5w1', '64x256s10w4tc', '8x512s1w1rows' (no flag: the tiled form)."""
     names = "|".join(NVFP4_FLAGS)
     m = re.fullmatch(r"(\d+)x(\d+)s(\d+)w(\d+)(?:t(\d+))?((?:" + names + ")*)", spec)
     assert m, f"tiles like 8x512s5w1t4 (then flags of {sorted(NVFP4_FLAGS)}), not {spec!r}"
@@ -134,9 +130,8 @@ def parse_nvfp4_tiles(spec: str) -> nvfp4_gemv.Nvfp4Tiles:
 
 
 def nvfp4_spec(t: nvfp4_gemv.Nvfp4Tiles) -> str:
-    """The --nvfp4-tiles spec of tiles t (parse_nvfp4_tiles' inverse), e.g.
-    '8x512s1w1t4ptxbyterows'."""
-    flags = [f for f, (k, v) in NVFP4_FLAGS.items() if f != "bits" and getattr(t, k) == v]
+    """The --nvfp4-tiles spec of tiles t (parse_nvfp4_tiles' inverse), e.g. '8x512s1w1t4rows'."""
+    flags = [f for f, (k, v) in NVFP4_FLAGS.items() if getattr(t, k) == v]
     return f"{t.block_n}x{t.block_k}s{t.split}w{t.warps}t{t.tail_n}" + "".join(flags)
 
 
@@ -160,15 +155,13 @@ def _nvfp4_fn(tiles):
 
 def _nvfp4_launch(t: nvfp4_gemv.Nvfp4Tiles, K: int) -> tuple:
     # the launch nvfp4_linear_triton makes: (BLOCK_N, BLOCK_K, SPLIT, chunks a program, warps,
-    # BLOCK_T, PTX decode, tensor cores, decode DEC, x read XV: nvfp4_gemv.kernel_flags)
-    f = nvfp4_gemv.kernel_flags(t, torch.device(DEV))
-    return (t.block_n, *nvfp4_gemv.launch_plan(K, t), t.warps, t.tail_n, t.ptx, t.tc, f["DEC"],
-            f["XV"])
+    # BLOCK_T, tensor cores, row loop)
+    return (t.block_n, *nvfp4_gemv.launch_plan(K, t), t.warps, t.tail_n, t.tc, t.rowloop)
 
 
-def bench_nvfp4(bs_list, sweep: bool, extra=()) -> dict:
+def bench_nvfp4(bs_list, extra=()) -> dict:
     """The NVFP4 arm: cuBLAS and linear_triton on the bf16 [N4 + Nt, K] weight, then
-    nvfp4_linear_triton (default tiles; the sweep) on the NVFP4 + tail weights, per bs."""
+    nvfp4_linear_triton (default tiles; the extra tiles) on the NVFP4 + tail weights, per bs."""
     N4, Nt, K = NVFP4_SHAPE
     N = N4 + Nt
     sets = max(2, min(REPS, math.ceil(SET_BYTES / _nvfp4_bytes(N4, Nt, K, 0))))
@@ -197,9 +190,9 @@ def bench_nvfp4(bs_list, sweep: bool, extra=()) -> dict:
                "nvfp4_GBs": round(nbytes / (n_us * 1e-6) / 1e9),
                "max_abs_diff": _max_diff(got, ref), "max_abs_ref": float(ref.float().abs().max()),
                "repeat_bit_equal": bool(torch.equal(got, again))}
-        if sweep or extra:
+        if extra:
             times = {}
-            for t in (list(nvfp4_gemv.SWEEP) if sweep else []) + list(extra):
+            for t in extra:
                 us = timed_graph(_nvfp4_fn(t), xs, nv)
                 times[repr(t)] = {"us": round(us, 2), "GBs": round(nbytes / (us * 1e-6) / 1e9),
                                   "spec": nvfp4_spec(t), "launch": _nvfp4_launch(t, K),
@@ -280,8 +273,7 @@ def main() -> None:
                     help="dense (the bf16 shapes), nvfp4 (the NVFP4 + tail arm), comma-separated")
     ap.add_argument("--nvfp4-tiles", default="",
                     help="also time these tiles in the NVFP4 arm: "
-                         "BNxBKsSPLITwWARPS[tT][ptx|bits][byte][tc][x1d|rows],... "
-                         "(e.g. 16x512s1w1t4ptxbyterows)")
+                         "BNxBKsSPLITwWARPS[tT][tc|rows],... (e.g. 8x512s1w1t4rows)")
     args = ap.parse_args()
     arms = {a for a in args.arms.split(",") if a}
     assert arms and arms <= {"dense", "nvfp4"}, f"--arms: dense and/or nvfp4, not {args.arms!r}"
@@ -294,7 +286,7 @@ def main() -> None:
     if "dense" in arms:
         res["results"] = bench(shapes, bs_list, args.sweep, extra)
     if "nvfp4" in arms:
-        res["nvfp4"] = bench_nvfp4(bs_list, args.sweep, nv_extra)
+        res["nvfp4"] = bench_nvfp4(bs_list, nv_extra)
     print(json.dumps({k: v for k, v in res.items() if k not in ("results", "nvfp4")}))
     if args.out:
         with open(args.out, "w") as f:

@@ -14,10 +14,8 @@ route and topk also time the previous top-k kernel (`router_topk_triton_v0`, thr
 reductions per pick) in the same process: "v0_us" against "fused_us" (the keyed kernel),
 "v0_over_fused" their ratio and "v0_bit_equal" whether the two gave the same ids and weights.
 moe_route: the MoE block's fused GEMV [gate | up | gate logit | router] ([2I + 1 + E, D], I =
-640) and its top-k: torch (F.linear, softmax, topk) vs the top-k folded into the GEMV's launch
-(`gemv.linear_topk_triton`, "fused"), vs the GEMV then the keyed kernel ("apart", today's
-decode path) and then the previous kernel ("apart_v0"); "*_ids_equal" and "*_max_w_diff"
-compare each with the fold.
+640) and its top-k: torch (F.linear, softmax, topk) vs the decode path (the Triton GEMV, then
+the keyed kernel, "fused") and the GEMV then the previous kernel ("v0").
 --sweep also times a few tile choices of the split read (ftchat/kernels/hyper.py).
 """
 
@@ -79,22 +77,19 @@ def _ops(tiles=None):
         "topk": (lambda t, w, g: _topk_torch(t["logits"]),
                  lambda t, w, g: router.router_topk_triton(t["logits"], K, True)),
         "moe_route": (lambda t, w, g: _topk_torch(F.linear(t["x"], w["moe_fused"])[:, -E:]),
-                      lambda t, w, g: gemv.linear_topk_triton(t["x"], w["moe_fused"], E, K,
-                                                              True)[1:]),
+                      lambda t, w, g: router.router_topk_triton(
+                          gemv.linear(t["x"], w["moe_fused"])[:, -E:], K, True)),
         "layer": (lambda t, w, g: _layer(t, w, g, fused=False),
                   lambda t, w, g: _layer(t, w, g, fused=True, tiles=tiles)),
     }
 
 
-# more arms of the ops that route, by label: the previous top-k kernel, the top-k apart
+# more arms of the ops that route, by label: the previous top-k kernel
 ARMS = {
     "route": {"v0": lambda t, w, g: router.router_topk_triton_v0(F.linear(t["x"], g), K, True)},
     "topk": {"v0": lambda t, w, g: router.router_topk_triton_v0(t["logits"], K, True)},
-    "moe_route": {
-        "apart": lambda t, w, g: router.router_topk_triton(
-            gemv.linear(t["x"], w["moe_fused"])[:, -E:], K, True),
-        "apart_v0": lambda t, w, g: router.router_topk_triton_v0(
-            gemv.linear(t["x"], w["moe_fused"])[:, -E:], K, True)},
+    "moe_route": {"v0": lambda t, w, g: router.router_topk_triton_v0(
+        gemv.linear(t["x"], w["moe_fused"])[:, -E:], K, True)},
 }
 
 
@@ -179,12 +174,7 @@ def bench(bs_list, sweep: bool, ops: list[str] | None = None) -> dict:
                 row[name].update({f"{label}_us": round(a_us, 2),
                                   f"{label}_over_fused": round(a_us / f_us, 2),
                                   f"{label}_kernel_names": kernels_of(arm, t, ws[0], gs[0])[1]})
-                if name == "moe_route":  # the fold: the same ids, weights within an fp32 ulp
-                    row[name][f"{label}_ids_equal"] = bool(torch.equal(ao[0], fo[0]))
-                    row[name][f"{label}_max_w_diff"] = _max_diff(ao[1], fo[1])
-                else:
-                    row[name][f"{label}_bit_equal"] = all(torch.equal(a, b)
-                                                          for a, b in zip(ao, fo))
+                row[name][f"{label}_bit_equal"] = all(torch.equal(a, b) for a, b in zip(ao, fo))
             print(bs, name, {k: v for k, v in row[name].items() if "names" not in k}, flush=True)
         if sweep:
             row["sweep_hc_write_read_us"], row["best_tiles"] = _sweep(t, ws, gs, bs)

@@ -14,7 +14,7 @@ import torch
 from ftchat.codecs.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.copy import copy_rows
-from ftchat.offload.expert_kernels import routed_experts_triton
+from ftchat.kernels.routed_experts import routed_experts_triton
 from ftchat.offload.policy import POLICIES
 from ftchat.offload.store import pin
 

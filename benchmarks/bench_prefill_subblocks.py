@@ -43,14 +43,13 @@ def main() -> None:
         s = torch.rand(1, T, a.hc_count, device="cuda", dtype=torch.bfloat16)
         ids = torch.randint(0, 1000, (1, T), device="cuda")
         st = DecodeState.create(a, 1, 8, "cuda", torch.bfloat16)
-        pst = {"ctx": st.ple_ctx, "conv": st.ple_conv[i]}
         hw, pw = m.weights.layers[0]["mlp_hyper_connection"], m.weights.layers[i]["ple"]
         for sub in (1024, 1 << 30):
             q.HC_SUBBLOCK = ple.PLE_SUBBLOCK = sub
             key = f"T{T}_" + ("sub1024" if sub == 1024 else "whole")
             out[f"hc_{key}"] = timed(lambda R=R, y=y, s=s, hw=hw: q.hc_write_read(R, y, s, hw, a))
-            out[f"ple_{key}"] = timed(lambda R=R, ids=ids, pw=pw, pst=pst:
-                                      ple.ple_layer(R, ids, pw, pst, a))
+            out[f"ple_{key}"] = timed(lambda R=R, ids=ids, pw=pw, st=st:
+                                      ple.ple_layer(R, ids, pw, st.ple_ctx, st.ple[i].conv, a))
             print(key, out[f"hc_{key}"], out[f"ple_{key}"], flush=True)
     print(json.dumps({k: [round(v[0], 3), round(v[1], 1)] for k, v in out.items()}))
 

@@ -17,14 +17,17 @@ with --sweep, the attention kernels over (block_n, num_warps, tiles) at one cont
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
 import torch
 import torch.nn.functional as F
 
+from ftchat.kernels import qsa_attention as qa
 from ftchat.kernels import qsa_decode as qd
 from ftchat.model import qsa
+from ftchat.model.kv_cache import AttentionCache
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
 from ftchat.model.synth import _init, preset_config
@@ -82,12 +85,22 @@ def layer(a: ModelArgs, dtype) -> dict:
     return {k: _init(s.shape, s.init, gen).to(DEV, dtype) for k, s in specs.items()}
 
 
-def cache(a: ModelArgs, B: int, L: int, dtype) -> dict:
+def cache(a: ModelArgs, B: int, L: int, dtype) -> AttentionCache:
     """A full cache of capacity L (random contents; k̄ random too: only the cost is measured)."""
     r, hd, di = a.indexer_compress_ratio, a.head_dim, a.indexer_head_dim
     rnd = lambda *s: torch.randn(*s, device=DEV, dtype=dtype)  # noqa: E731
-    return {"k": rnd(B, L, a.num_key_value_heads, hd), "v": rnd(B, L, a.num_key_value_heads, hd),
-            "ik": rnd(B, L, di), "kbar": rnd(B, L // r, di)}
+    return AttentionCache(rnd(B, L, a.num_key_value_heads, hd),
+                          rnd(B, L, a.num_key_value_heads, hd), rnd(B, L, di), rnd(B, L // r, di))
+
+
+def clone(c: AttentionCache) -> AttentionCache:
+    return dataclasses.replace(c, k=c.k.clone(), v=c.v.clone(), ik=c.ik.clone(),
+                               kbar=c.kbar.clone())
+
+
+def prep(proj, pos, c: AttentionCache, norms, dims, a: ModelArgs):
+    return qd.qsa_prep(proj, pos, c.k, c.v, c.ik, c.kbar, norms, dims, a.rms_norm_eps,
+                       a.rope_theta)
 
 
 def parts(a, w, c, x, pos, L) -> dict:
@@ -96,22 +109,21 @@ def parts(a, w, c, x, pos, L) -> dict:
     norms = tuple(w[n] for n in ("q_norm.weight", "k_norm.weight", "indexer.q_layernorm.weight",
                                  "indexer.k_layernorm.weight"))
     proj = qsa.fused_projection(x[:, 0], w)
-    q, iq = qd.qsa_prep(proj, pos, c, norms, dims, a.rms_norm_eps, a.rope_theta)
+    q, iq = prep(proj, pos, c, norms, dims, a)
     r, top = a.indexer_compress_ratio, a.indexer_budget // a.indexer_compress_ratio
-    N = min(L // r, c["kbar"].shape[1])
-    keys = qd.qsa_rank_keys(iq, c["kbar"], pos, N, r)
-    blocks, bkeys = qsa.select_blocks_fused(iq, c["kbar"], pos, L, a)
+    N = min(L // r, c.kbar.shape[1])
+    keys = qd.qsa_rank_keys(iq, c.kbar, pos, N, r)
+    blocks, bkeys = qsa.select_blocks_fused(iq, c.kbar, pos, L, a)
     gate = proj[:, : dims.heads * 2 * a.head_dim].unflatten(-1, (dims.heads, -1))[..., a.head_dim:]
-    o = qd.qsa_attention(q, gate, c["k"], c["v"], pos, dims, blocks=blocks, block_keys=bkeys)
+    o = qa.qsa_attention(q, gate, c.k, c.v, pos, dims, blocks=blocks, block_keys=bkeys)
     return {
         "projection_gemv_us": graph_us(lambda: qsa.fused_projection(x[:, 0], w)),
-        "prep_us": graph_us(lambda: qd.qsa_prep(proj, pos, c, norms, dims, a.rms_norm_eps,
-                                                a.rope_theta)),
-        "rank_keys_us": graph_us(lambda: qd.qsa_rank_keys(iq, c["kbar"], pos, N, r)),
+        "prep_us": graph_us(lambda: prep(proj, pos, c, norms, dims, a)),
+        "rank_keys_us": graph_us(lambda: qd.qsa_rank_keys(iq, c.kbar, pos, N, r)),
         "topk_us": graph_us(lambda: torch.topk(keys, min(top, N), dim=-1, sorted=False)),
         "topk_kernels": graph_profile(lambda: torch.topk(keys, min(top, N), dim=-1,
                                                          sorted=False))["kernels"],
-        "attention_us": graph_us(lambda: qd.qsa_attention(q, gate, c["k"], c["v"], pos, dims,
+        "attention_us": graph_us(lambda: qa.qsa_attention(q, gate, c.k, c.v, pos, dims,
                                                           blocks=blocks, block_keys=bkeys)),
         "o_proj_gemv_us": graph_us(lambda: F.linear(o, w["o_proj.weight"])),
     }
@@ -123,15 +135,15 @@ def sweep(a, w, c, x, pos, L) -> dict:
     proj = qsa.fused_projection(x[:, 0], w)
     norms = tuple(w[n] for n in ("q_norm.weight", "k_norm.weight", "indexer.q_layernorm.weight",
                                  "indexer.k_layernorm.weight"))
-    q, iq = qd.qsa_prep(proj, pos, c, norms, dims, a.rms_norm_eps, a.rope_theta)
-    blocks, bkeys = qsa.select_blocks_fused(iq, c["kbar"], pos, L, a)
+    q, iq = prep(proj, pos, c, norms, dims, a)
+    blocks, bkeys = qsa.select_blocks_fused(iq, c.kbar, pos, L, a)
     gate = proj[:, : dims.heads * 2 * a.head_dim].unflatten(-1, (dims.heads, -1))[..., a.head_dim:]
     out = {}
     for bn in (16, 32, 64):
         for warps in (4, 8):
             for tiles in (1, 2, 4, 8):
                 def step(bn=bn, warps=warps, tiles=tiles):
-                    qd.qsa_attention(q, gate, c["k"], c["v"], pos, dims, blocks=blocks,
+                    qa.qsa_attention(q, gate, c.k, c.v, pos, dims, blocks=blocks,
                                      block_keys=bkeys, tiles=tiles, block_n=bn, num_warps=warps)
                 try:
                     out[f"bn{bn}_w{warps}_t{tiles}"] = graph_us(step)
@@ -146,10 +158,10 @@ def bench(a: ModelArgs, B: int, ctx: int, w_ref: dict, w: dict, dtype, with_swee
     x = torch.randn(B, 1, a.hidden_size, device=DEV, dtype=dtype)
     pos = torch.tensor([ctx - 1 - b for b in range(B)], device=DEV)[:, None]  # [B, 1]
     # one step from the same cache: the paths agree (the tests bound it properly)
-    c1 = {k: t.clone() for k, t in c.items()}
+    c1 = clone(c)
     ref = qsa.attention_mixer_ref(x, w_ref, c1, pos, ctx, a)
     del c1
-    got = qsa.attention_decode_fused(x, w, {k: t.clone() for k, t in c.items()}, pos, ctx, a)
+    got = qsa.attention_decode_fused(x, w, clone(c), pos, ctx, a)
     out = {"max_abs_diff": float((got.float() - ref.float()).abs().max()),
            "max_abs_ref": float(ref.float().abs().max())}
 

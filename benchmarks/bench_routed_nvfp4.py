@@ -1,5 +1,6 @@
 """Tile / kernel-set sweep of the NVFP4 routed-expert decode kernels on the device (H200), under
-CUDA graph replay, to pick `expert_kernels.default_tiles`; and the MoE tail (shared expert +
+CUDA graph replay, to pick `routed_experts.default_tiles` (ftchat/kernels/routed_experts.py); and
+the MoE tail (shared expert +
 routed) torch path vs the fused one.
 
     python benchmarks/bench_routed_nvfp4.py --out docs/bench_routed_nvfp4.json [--full]
@@ -12,8 +13,8 @@ disjoint experts (the worst case: 20 rows). GB/s counts the distinct rows read (
 the HBM fraction is against 4.8 TB/s. Each variant's output is checked against the kernels' torch
 mirror (max |diff| / max |ref|, bf16) and against v1's default. Variants that fail to compile or
 run are reported with their error and skipped. Sweep: v1 (the baseline kernels) at its default
-and two other tiles; v2 and v3 over gate_up tiles at a fixed down tile, then over down tiles at
-the best (kernel set, gate_up tile).
+and two other tiles; v2 over gate_up tiles at a fixed down tile, then over down tiles at the best
+gate_up tile; v4 (the default) with --tiles.
 """
 
 from __future__ import annotations
@@ -26,19 +27,21 @@ import time
 import torch
 
 from graph_timing import median_replay  # benchmarks/ (the script's folder)
+from ftchat.codecs.rows import RowLayout
+from ftchat.kernels import routed_experts as rk
+from ftchat.kernels.shared_expert import shared_act_triton
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
-from ftchat.codecs.rows import RowLayout
-from ftchat.offload import expert_kernels as ek
+from ftchat.offload.experts import routed_experts_decode_ref
 
 HBM = 4.8e12
 D, I, K = 2560, 640, 10
-V1 = ek.DecodeTiles(16, 512, 4, 64, 128, 2)  # the measured default (34.3 us at bs 1)
-V1_OTHER = [ek.DecodeTiles(16, 512, 2, 64, 128, 2), ek.DecodeTiles(8, 512, 2, 32, 128, 2)]
+V1 = rk.DecodeTiles(16, 512, 4, 64, 128, 2)  # the measured default (34.3 us at bs 1)
+V1_OTHER = [rk.DecodeTiles(16, 512, 2, 64, 128, 2), rk.DecodeTiles(8, 512, 2, 32, 128, 2)]
 V2_GATE_UP = [(16, 512, 2), (16, 512, 4), (8, 512, 1), (8, 512, 2), (16, 256, 2), (32, 512, 4),
               (8, 256, 1)]  # (h rows per program, reduction elements per step, warps)
 V2_DOWN = [(64, 128, 2), (32, 128, 1), (32, 128, 2), (64, 128, 4), (128, 128, 4), (16, 128, 1)]
-QUICK_GATE_UP = [(16, 512, 4), (16, 512, 2), (8, 512, 2)]  # v3 spills at 8 rows per thread
+QUICK_GATE_UP = [(16, 512, 4), (16, 512, 2), (8, 512, 2)]
 QUICK_DOWN = [(64, 128, 2), (32, 128, 1), (64, 128, 4)]
 
 
@@ -91,14 +94,14 @@ def make_setup(n_layers: int) -> Setup:
     return Setup(layout, bank, x, slots, weights, n_layers)
 
 
-def run_variant(s: Setup, tiles: ek.DecodeTiles, T: int, iters: int, want: torch.Tensor | None):
+def run_variant(s: Setup, tiles: rk.DecodeTiles, T: int, iters: int, want: torch.Tensor | None):
     """us per call, GB/s, HBM fraction, and the first layer's output."""
     outs = []
 
     def step():
         outs.clear()
         for layer in range(s.layers):
-            outs.append(ek.routed_experts_triton(s.x[T], s.bank, s.layout, s.slots[T][layer],
+            outs.append(rk.routed_experts_triton(s.x[T], s.bank, s.layout, s.slots[T][layer],
                                                  s.weights[T], tiles))
     t0 = time.perf_counter()
     g = capture(step)
@@ -108,7 +111,7 @@ def run_variant(s: Setup, tiles: ek.DecodeTiles, T: int, iters: int, want: torch
     res = {"us": t * 1e6, "GBps": nbytes / t / 1e9, "hbm_fraction": nbytes / t / HBM,
            "capture_s": compile_s}
     first = outs[0].clone()
-    mirror = ek.routed_experts_decode_ref(s.x[T], s.bank, s.layout, s.slots[T][0], s.weights[T])
+    mirror = routed_experts_decode_ref(s.x[T], s.bank, s.layout, s.slots[T][0], s.weights[T])
     scale = float(mirror.float().abs().max())
     res["max_rel_diff_vs_mirror"] = float((first.float() - mirror.float()).abs().max()) / scale
     if want is not None:
@@ -116,7 +119,7 @@ def run_variant(s: Setup, tiles: ek.DecodeTiles, T: int, iters: int, want: torch
     return res, first
 
 
-def name_of(t: ek.DecodeTiles) -> str:
+def name_of(t: rk.DecodeTiles) -> str:
     return (f"{t.variant} gate_up {t.gate_up_rows}x{t.gate_up_k}/{t.gate_up_warps}w "
             f"down {t.down_rows}x{t.down_k}/{t.down_warps}w")
 
@@ -124,7 +127,7 @@ def name_of(t: ek.DecodeTiles) -> str:
 def sweep(s: Setup, iters: int, quick: bool, explicit: list | None = None) -> dict:
     results, ref_out = {}, {}
 
-    def measure(tiles: ek.DecodeTiles) -> float:
+    def measure(tiles: rk.DecodeTiles) -> float:
         name, per_bs = name_of(tiles), {}
         for T in (1, 2):
             try:
@@ -147,11 +150,9 @@ def sweep(s: Setup, iters: int, quick: bool, explicit: list | None = None) -> di
         measure(t)
     gu_list, dn_list = (QUICK_GATE_UP, QUICK_DOWN) if quick else (V2_GATE_UP, V2_DOWN)
     dn0 = dn_list[0]
-    firsts = [(var, gu) for var in ("v2", "v3") for gu in gu_list]
-    best_var, best_gu = min(firsts, key=lambda vg: measure(
-        ek.DecodeTiles(*vg[1], *dn0, variant=vg[0])))
+    best_gu = min(gu_list, key=lambda gu: measure(rk.DecodeTiles(*gu, *dn0, variant="v2")))
     for dn in dn_list[1:]:
-        measure(ek.DecodeTiles(*best_gu, *dn, variant=best_var))
+        measure(rk.DecodeTiles(*best_gu, *dn, variant="v2"))
     return results
 
 
@@ -168,7 +169,7 @@ def pick(results: dict) -> dict:
             "bs1_us": results[name]["bs1"]["us"], "bs2_us": results[name]["bs2"]["us"]}
 
 
-def moe_tail(s: Setup, tiles: ek.DecodeTiles, iters: int) -> dict:
+def moe_tail(s: Setup, tiles: rk.DecodeTiles, iters: int) -> dict:
     """us per layer of the MoE block after routing: torch shared expert (3 GEMVs, silu, mul,
     down GEMV, sigmoid GEMV, mul, add) + routed kernels, vs the fused path (one GEMV, the down
     GEMV computing silu(g) * u itself at bs <= 2, routed kernels with the shared expert in their
@@ -181,7 +182,7 @@ def moe_tail(s: Setup, tiles: ek.DecodeTiles, iters: int) -> dict:
     def parts_act_apart(x, w):
         # the previous shared_expert_parts: silu(g) * u in its own kernel, then the down GEMV
         proj = gemv.linear(x, w[layers.SHARED_FUSED])
-        h = ek.shared_act_triton(proj, I)
+        h = shared_act_triton(proj, I)
         return SharedOut(gemv.linear(h, w["shared_expert.down_proj.weight"]),
                          proj[:, 2 * I:2 * I + 1])
 
@@ -201,17 +202,17 @@ def moe_tail(s: Setup, tiles: ek.DecodeTiles, iters: int) -> dict:
 
         def torch_path(x=x, wt=wt, T=T):  # this T's tensors
             for layer, w in enumerate(ws):
-                routed = ek.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles)
+                routed = rk.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles)
                 routed + layers.shared_expert_ref(x, w)
 
         def fused_path(x=x, wt=wt, T=T):  # this T's tensors
             for layer, w in enumerate(ws):
-                ek.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles,
+                rk.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles,
                                          q.shared_expert_parts(x, w))
 
         def fused_act_path(x=x, wt=wt, T=T):  # this T's tensors
             for layer, w in enumerate(ws):
-                ek.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles,
+                rk.routed_experts_triton(x, s.bank, s.layout, s.slots[T][layer], wt, tiles,
                                          parts_act_apart(x, w))
         for name, fn in (("torch_shared", torch_path), ("fused_shared", fused_path),
                          ("fused_shared_act", fused_act_path)):
@@ -228,7 +229,7 @@ def parse_tiles(spec: str | None) -> list | None:
     out = []
     for item in spec.split(";"):
         variant, nums = item.split(":")
-        out.append(ek.DecodeTiles(*map(int, nums.split(",")), variant=variant.strip()))
+        out.append(rk.DecodeTiles(*map(int, nums.split(",")), variant=variant.strip()))
     return out
 
 
@@ -238,12 +239,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=16, help="calls per graph (distinct rows)")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--full", action="store_true",
-                    help="the whole grid (~22 variants, a few minutes); default: 3 gate_up tiles "
-                         "(v2 and v3) then 3 down tiles, v1 at its default only (< 60 s)")
+                    help="the whole grid (~15 variants, a few minutes); default: 3 gate_up tiles "
+                         "(v2) then 3 down tiles, v1 at its default only (< 60 s)")
     ap.add_argument("--tiles", default=None,
                     help="measure only these (after v1's default), ';'-separated "
                          "VARIANT:gu_rows,gu_k,gu_warps,down_rows,down_k,down_warps, "
-                         "e.g. 'v2:16,512,4,64,128,2;v3:16,512,4,64,128,2'")
+                         "e.g. 'v2:16,512,4,64,128,2;v4:2,512,1,64,128,4'")
     ap.add_argument("--no-tail", action="store_true", help="skip the MoE-tail comparison")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -253,7 +254,7 @@ def main() -> None:
            "variants": sweep(s, args.iters, not args.full, parse_tiles(args.tiles))}
     res["best"] = pick(res["variants"])
     print("best", json.dumps(res["best"]), flush=True)
-    best = ek.DecodeTiles(**res["best"]["tiles"])
+    best = rk.DecodeTiles(**res["best"]["tiles"])
     try:
         if not args.no_tail:
             res["moe_tail_v1"] = moe_tail(s, V1, args.iters)

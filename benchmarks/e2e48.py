@@ -41,24 +41,26 @@ def main() -> int:
     args = p.parse_args()
 
     from ftchat import engine
-    from ftchat import vram_plan as vp
     from ftchat.model.synth_memory import synthetic_model
     from ftchat.settings import Settings
+    from ftchat.vram.items import GIB, MIB
+    from ftchat.vram.workloads import (budget_bytes, peak_report, preflight, run_workload,
+                                       synthetic_inputs)
 
     context = args.context or args.tokens + args.new + 8
     s = Settings(device=args.device, context=context, prefill_chunk=args.chunk, slots=args.slots,
                  kv_cache_dtype=args.kv, vram_budget_gib=args.budget or None, prefetch="on")
-    a, layout = vp.synthetic_inputs(args.preset, args.layers, "nvfp4-modelopt", args.dense)
-    w = dataclasses.replace(vp.run_workload(a, layout, s), dense_nvfp4=args.dense == "nvfp4")
-    plan = vp.preflight(a, layout, s, w)  # refuses what cannot fit; caps the process
+    a, layout = synthetic_inputs(args.preset, args.layers, "nvfp4-modelopt", args.dense)
+    w = dataclasses.replace(run_workload(a, layout, s), dense_nvfp4=args.dense == "nvfp4")
+    plan = preflight(a, layout, s, w)  # refuses what cannot fit; caps the process
     if s.slots is None and s.vram_budget_gib is not None:
         s = dataclasses.replace(s, slots=plan.slots)
     out = {"tokens": args.tokens, "layers": args.layers, "chunk": args.chunk, "kv": args.kv,
            "budget_gib": args.budget, "slots": s.slots, "planned_total_gib":
-           round(plan.total / vp.GIB, 3)}
+           round(plan.total / GIB, 3)}
     print(json.dumps({"plan": out}), file=sys.stderr, flush=True)
 
-    mib = (lambda: torch.cuda.memory_allocated() / vp.MIB) if args.device == "cuda" else (
+    mib = (lambda: torch.cuda.memory_allocated() / MIB) if args.device == "cuda" else (
         lambda: 0.0)
     measured = {}  # MiB allocated by each stage (the plan's groups, planned beside them)
     base = mib()
@@ -92,7 +94,7 @@ def main() -> int:
     pre = first.prefill_s[0]
     if args.device == "cuda":  # staging (own or none when lent) and the prefill's transients
         measured["prefill: staging + transients (peak over steady)"] = (
-            torch.cuda.max_memory_allocated() / vp.MIB - steady)
+            torch.cuda.max_memory_allocated() / MIB - steady)
     out.update(prefill_s=round(pre, 1), prefill_tok_s=round(args.tokens / pre, 1),
                prefill_stats=ex.stats())
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -105,8 +107,8 @@ def main() -> int:
     sync()
     out.update(first_step_s=round(t2 - t1, 2), decoded=n,
                decode_tok_s=round(n / (time.perf_counter() - t2), 1) if n else None)
-    out.update(vp.peak_report(m.device, vp.budget_bytes(s)))
-    groups = {"dense weights": set(vp.DENSE_KINDS),
+    out.update(peak_report(m.device, budget_bytes(s)))
+    groups = {"dense weights": {i.name for i in plan.items if i.dense},
               "slot bank, maps": {"expert slot bank", "slot maps", "copy plans (estimate)"},
               "decode state (KV, QSA keys, GDN, PLE)": {
                   "KV cache (K and V)", "QSA index keys", "QSA block keys", "GDN recurrent state",
@@ -114,10 +116,10 @@ def main() -> int:
               "prefill: staging + transients (peak over steady)": {
                   "prefill staging", "activations and workspaces (estimate)"}}
     out["per_item_mib"] = {g: {"planned": round(sum(i.nbytes for i in plan.items if i.name in names)
-                                                / vp.MIB, 1),
+                                                / MIB, 1),
                                "measured": round(measured[g], 1) if g in measured else None}
                            for g, names in groups.items()}
-    out["plan_items_mib"] = {i.name: round(i.nbytes / vp.MIB, 1) for i in plan.items}
+    out["plan_items_mib"] = {i.name: round(i.nbytes / MIB, 1) for i in plan.items}
     print(json.dumps(out, default=str))
     return 0
 

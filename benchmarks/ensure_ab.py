@@ -1,9 +1,8 @@
 """The fused `ensure` / `prefetch_ensure` under graph replay, arms side by side in one process,
-rounds interleaved (CUDA only): this tree's kernels at one or more warp counts, and optionally
-another version of cache_kernels.py.
+rounds interleaved (CUDA only): the slot-cache kernels (ftchat/kernels/slot_cache.py) at one or
+more warp counts.
 
-    python benchmarks/ensure_ab.py OTHER/cache_kernels.py --json docs/ensure_ab.json
-    python benchmarks/ensure_ab.py --warps 1,2,4,8 --json docs/ensure_warps.json   (launch shapes)
+    python benchmarks/ensure_ab.py --warps 1,2,4,8 --json /tmp/kernel_ensure_warps.json
 
 The maps of 48 Flash-Next layers (512 experts, top-10, S = 1650, 16 candidates, prefetch budget
 4) are captured in one CUDA graph per arm; each figure is the median replay time over 48, in us
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -32,12 +30,6 @@ from tests.gpu.test_cache_kernels_graph_gpu import _graph_of, _token, _us_per_la
 
 LAYERS, E, S, K = 48, 512, 1650, 10
 
-
-def load_other(path: Path):
-    spec = importlib.util.spec_from_file_location("ftchat.offload.cache_kernels_other", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def measure(arms: dict, bs: int, rounds: int) -> dict[str, list[float]]:
@@ -80,7 +72,6 @@ def measure(arms: dict, bs: int, rounds: int) -> dict[str, list[float]]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("other", type=Path, nargs="?", help="another cache_kernels.py (its defaults)")
     p.add_argument("--warps", default="", help="this tree at these warp counts, e.g. 1,2,4,8 "
                    "(default: its own choice)")
     p.add_argument("--rounds", type=int, default=3)
@@ -92,8 +83,6 @@ def main() -> int:
     warps = [int(w) for w in a.warps.split(",") if w] or [None]
     arms = {("this tree" if w is None else f"this tree, {w} warps"): (cache_kernels, w)
             for w in warps}
-    if a.other:
-        arms["other"] = (load_other(a.other), None)
     out = {}
     for bs in (1, 2):
         out.update(measure(arms, bs, a.rounds))

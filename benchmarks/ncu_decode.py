@@ -17,9 +17,9 @@ import argparse
 import torch
 
 from bench_routed_nvfp4 import make_setup  # benchmarks/ (the script's folder)
-from ftchat.kernels import gemv, hyper, nvfp4_gemv, router
 from ftchat.codecs import nvfp4
-from ftchat.offload import expert_kernels as ek
+from ftchat.kernels import gemv, hyper, nvfp4_gemv, router
+from ftchat.kernels.routed_experts import routed_experts_triton
 
 D, HC, L = 2560, 4, 320
 C = HC * D
@@ -49,7 +49,7 @@ def main() -> None:
     h = torch.randn(T, 6144, device=dev).bfloat16()
     for _ in range(a.reps + 1):  # the first round compiles
         nvfp4_gemv.nvfp4_linear_triton(x, packed, scale, g.reshape(1), tail)
-        ek.routed_experts_triton(s.x[T], s.bank, s.layout, s.slots[T][0], s.weights[T])
+        routed_experts_triton(s.x[T], s.bank, s.layout, s.slots[T][0], s.weights[T])
         hyper.hc_mix_triton(R, w_hc, HC, 1e-6, y, sc)
         router.router_topk_triton(logits, 10, True)
         gemv.linear_triton(h, w_out)

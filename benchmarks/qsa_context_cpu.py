@@ -64,7 +64,7 @@ def main() -> None:
     report("tiny decode step", ctx, timings(step, args.steps))
 
     layer = next(i for i in range(a.num_hidden_layers) if a.is_attention(i))
-    w, cache = m.weights.layers[layer]["self_attn"], state.kv[layer]
+    w, cache = m.weights.layers[layer]["self_attn"], state.mixers[layer]
     x = torch.randn(1, 1, a.hidden_size)
     mix = [lambda n=n: attention_mixer(x, w, cache, torch.tensor([[n]]), n + 1, a) for n in ctx]
     report(f"attention mixer (layer {layer})", ctx, timings(mix, 5 * args.steps))

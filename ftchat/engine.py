@@ -1,4 +1,5 @@
-"""Prefill, decode step and greedy generation over the qwen4_exp decoder.
+"""Prefill, decode step and greedy generation over a model family's decoder (the family comes
+from the registry: ftchat/model/registry.py).
 
 Legend: B batch, T tokens, V vocab.
 """
@@ -9,47 +10,56 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ftchat.model import embedding
-from ftchat.model.checkpoint import Checkpoint
-from ftchat.model.config import ModelArgs
-from ftchat.model.expert_backend import ExpertBackend
-from ftchat.model.ngram_table import HostTable
 from ftchat.codecs.nvfp4 import Nvfp4Weight
-from ftchat.model.qwen4_exp import Weights, forward
 from ftchat.codecs.rows import RowLayout
-from ftchat.model.state import DecodeState
 from ftchat.errors import FtchatError
 from ftchat.graph import DecodeGraph
+from ftchat.kernels.config import DEFAULT, KernelConfig
+from ftchat.model import embedding
+from ftchat.model.checkpoint import Checkpoint
+from ftchat.model.expert_backend import ExpertBackend
+from ftchat.model.family import Family
+from ftchat.model.ngram_table import HostTable
+from ftchat.model.registry import family_of
+from ftchat.model.state import DecodeState
 from ftchat.offload.backend import OffloadConfig, OffloadExperts, ResidentExperts
 from ftchat.offload.hooks import Hooks
-from ftchat.offload.store import fill_host_rows, pin
+from ftchat.host_memory import pin
+from ftchat.offload.store import fill_host_rows
 from ftchat.offload.streams import make_streams
 from ftchat.settings import Settings
+from ftchat.sizes import PLE_ON_DEVICE_BYTES, PREFILL_CHUNK
+from ftchat.vram.workloads import budget_slots
 
 HEADROOM_BYTES = 1 << 30  # VRAM left free for activations, workspaces and graphs
-PLE_ON_DEVICE_BYTES = 2 << 30
-PREFILL_CHUNK = 1024  # the real table (48 GiB) stays in host memory
 
 
 @dataclass
 class LoadedModel:
-    args: ModelArgs
-    weights: Weights
+    args: Any  # the family's ModelArgs
+    weights: Any  # the family's Weights (dense tensors by checkpoint name)
     layout: RowLayout
     host_rows: Tensor  # [L*E, R] uint8, every routed expert
     device: torch.device
     dtype: torch.dtype
 
+    @property
+    def family(self) -> Family:
+        return family_of(self.args)
+
 
 def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
                progress: Callable[[str, int, int], None] | None = None,
-               ple_table: str | None = None) -> LoadedModel:
+               ple_table: str | None = None, kernels: KernelConfig = DEFAULT) -> LoadedModel:
     """Read a checkpoint folder: dense weights to `device` (on CUDA the embedding stays in
-    pinned host memory: ftchat/model/embedding.py), expert rows to host memory.
+    pinned host memory: ftchat/model/embedding.py), expert rows to host memory. `kernels`
+    (KernelConfig.from_settings) is held by the weights: the forward pass and the expert
+    backends built from the model run their kernels with it.
 
     A PLE table over PLE_ON_DEVICE_BYTES stays in host memory in its stored dtype
     (docs/model.md 7.4). ple_table "host": one host tensor, pinned on CUDA, gathered by the
@@ -74,12 +84,13 @@ def load_model(folder: str | Path, device: str = "cpu", dtype: torch.dtype = tor
             pin(t.data)  # the gather kernel reads it over UVA
     if embedding.host_placement(device):
         dense[embedding.EMBED] = embedding.to_host(dense[embedding.EMBED])
-    return LoadedModel(a, Weights(dense, a.num_hidden_layers), layout, rows,
+    return LoadedModel(a, ckpt.family.weights(dense, a.num_hidden_layers, kernels), layout, rows,
                        torch.device(device), dtype)
 
 
 def resident_backend(m: LoadedModel) -> ResidentExperts:
-    return ResidentExperts(m.host_rows.to(m.device), m.layout, m.args.num_experts)
+    return ResidentExperts(m.host_rows.to(m.device), m.layout, m.args.num_experts,
+                           m.weights.kernels)
 
 
 def num_slots(m: LoadedModel, settings: Settings) -> int:
@@ -93,9 +104,8 @@ def num_slots(m: LoadedModel, settings: Settings) -> int:
     elif settings.expert_vram_gib is not None:
         n = int(settings.expert_vram_gib * 2**30 // m.layout.nbytes)
     elif settings.vram_budget_gib is not None:
-        from ftchat.vram_plan import budget_slots  # it imports this module
-
-        n = budget_slots(m, settings)
+        kept_nvfp4 = any(isinstance(t, Nvfp4Weight) for t in m.weights.tensors.values())
+        n = budget_slots(a, m.layout, m.dtype, m.device, kept_nvfp4, settings)
     elif m.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(m.device)
         n = int((free - HEADROOM_BYTES) // m.layout.nbytes)
@@ -116,13 +126,13 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
     all_fit = S == a.num_hidden_layers * a.num_experts and settings.slots is None
     if all_fit and settings.prefetch == "off" and hooks is None:
         return resident_backend(m)
-    routers = [m.weights.layers[i]["mlp"]["gate.weight"] for i in range(a.num_hidden_layers)]
+    routers = m.family.routers(m.weights, a)
     cfg = OffloadConfig.from_settings(settings, S, a.num_experts)
-    attention = {i for i in range(a.num_hidden_layers) if a.is_attention(i)}
+    attention = set(m.family.attention_layers(a))
     if m.device.type == "cuda" and not m.host_rows.is_pinned():
         pin(m.host_rows)
     return OffloadExperts(m.host_rows, m.layout, routers, attention, cfg, m.device,
-                          make_streams(m.device), hooks)
+                          make_streams(m.device), hooks, kernels=m.weights.kernels)
 
 
 def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: int,
@@ -131,8 +141,9 @@ def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: in
     positions `logits_at` picks (every one by default), None for logits_at None (forward)."""
     T = ids.shape[0]
     pos = torch.arange(start, start + T, device=m.device)[None]  # [1, T]
-    logits = forward(ids[None].to(m.device), pos, m.weights, state, slice(row, row + 1),
-                     experts.for_prefill(), m.args, kv_len=start + T, logits_at=logits_at)
+    logits = m.family.forward(ids[None].to(m.device), pos, m.weights, state,
+                              slice(row, row + 1), experts.for_prefill(), m.args,
+                              kv_len=start + T, logits_at=logits_at)
     return None if logits is None else logits[0]
 
 
@@ -149,7 +160,8 @@ def decode_step(m: LoadedModel, state: DecodeState, tokens: Tensor, lengths: lis
 def _decode(m: LoadedModel, state: DecodeState, experts: ExpertBackend, tokens: Tensor,
             pos: Tensor, kv_len: int) -> Tensor:
     B = tokens.shape[0]
-    logits = forward(tokens[:, None], pos, m.weights, state, slice(0, B), experts, m.args, kv_len)
+    logits = m.family.forward(tokens[:, None], pos, m.weights, state, slice(0, B), experts,
+                              m.args, kv_len)
     return logits[:, 0]
 
 
@@ -157,7 +169,7 @@ def graph_safe(m: LoadedModel) -> bool:
     """Whether the decode step can be captured: every weight it reads is a device tensor, or a
     host n-gram table the gather kernel reads without a host sync (pinned, CUDA + Triton)."""
     return all(isinstance(t, (Tensor, Nvfp4Weight))
-               or (isinstance(t, HostTable) and t.sync_free(m.device, m.dtype))
+               or (isinstance(t, HostTable) and t.sync_free(m.device, m.dtype, m.weights.kernels))
                for t in m.weights.tensors.values())
 
 
@@ -171,7 +183,8 @@ class Decoder:
         self.m, self.experts = m, experts
         self.prefill_chunk = prefill_chunk  # tokens a prefill call takes; None: PREFILL_CHUNK
         # kv_dtype: the K/V cache storage (None: the model dtype; Settings.kv_torch_dtype)
-        self.state = DecodeState.create(m.args, batch, max_len, m.device, m.dtype, kv_dtype)
+        self.state: DecodeState = m.family.new_state(m.args, batch, max_len, m.device, m.dtype,
+                                                     kv_dtype)
         self.graph = None
         if graph and not graph_safe(m):
             graph = False  # the n-gram table is read from host files each step: eager only
@@ -186,7 +199,7 @@ class Decoder:
         """Clear the decode state for new sequences; with experts=True also empty the expert
         cache."""
         eos = self.m.args.eos_token_id or 0
-        self.state.reset(slice(0, self.state.ple_ctx.shape[0]), eos)
+        self.state.reset(slice(0, self.state.batch), eos)
         if experts:
             self.experts.reset()
 

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 
 NOT_KERNELS = ("Memcpy", "Memset")  # kineto's names for copy and memset activities
 
@@ -42,8 +44,6 @@ def profile_call(fn: Callable[[], object], device: str | torch.device) -> CallPr
     device = torch.device(device)
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
-
     torch.cuda.synchronize(device)  # SYNC: earlier work stays out of the window
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
@@ -70,8 +70,6 @@ def kernels_per_call(fn: Callable[[], object], device: str | torch.device) -> in
 
 def _is_kernel(e) -> bool:
     """A device-side kernel event (not a copy, a memset or a GPU-side annotation range)."""
-    from torch.autograd import DeviceType
-
     if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
         return False
     return not e.name.startswith(NOT_KERNELS)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ftchat.errors import FtchatError, ModelError
 from ftchat.model.config import not_a_model_folder
+from ftchat.model.synth import write_checkpoint
 
 # Only what ftchat reads: config, generation config, tokenizer files, safetensors shards + index.
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
@@ -57,8 +58,6 @@ def demo_notice(path: Path) -> str:
 
 
 def _write_demo(path: Path) -> None:
-    from ftchat.model.synth import write_checkpoint
-
     try:
         write_checkpoint(path, "tiny", fmt="nvfp4-modelopt", seed=0)
     except (FtchatError, OSError) as e:

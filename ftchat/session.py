@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 
 from ftchat import engine
-from ftchat.debug import hooks_for
+from ftchat.debug.watchers import hooks_for
 from ftchat.errors import FtchatError
+from ftchat.kernels.config import KernelConfig
 from ftchat.model.config import check_context
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.tokenizer import IM_END, StreamDecoder, Tokenizer
 from ftchat.sampling import Sampler, Sampling
 from ftchat.settings import Settings
-from ftchat.vram_plan import DEFAULT_CONTEXT  # KV capacity when --context is not given
+from ftchat.vram.workloads import run_context
 
 STATS_EVERY_S = 0.5  # backend stats may sync the device: read them at most this often
 TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the next <|im_start|>
@@ -154,7 +155,7 @@ class Session:
         self.experts = experts
         a = model.args
         check_context(a, settings.context)
-        self.max_len = settings.context or min(a.max_position_embeddings, DEFAULT_CONTEXT)
+        self.max_len = run_context(a, settings)  # --context, else the model's up to 32K
         self.im_end = tokenizer.special_ids[IM_END]
         # ===== conversation (chat) =====
         self._chat: engine.Decoder | None = None
@@ -173,7 +174,8 @@ class Session:
         """
         device, dtype = settings.torch_device(), settings.torch_dtype()
         tokenizer = Tokenizer.from_folder(folder)  # cheap: fails before the weights load
-        model = engine.load_model(folder, str(device), dtype, progress)
+        model = engine.load_model(folder, str(device), dtype, progress,
+                                  kernels=KernelConfig.from_settings(settings))
         return cls(model, tokenizer, settings, build_experts(model, settings))
 
     def close(self) -> None:

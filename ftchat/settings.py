@@ -1,6 +1,6 @@
 """Settings: one frozen object, resolved once at start-up from CLI flags, then the
 `FREETOKEN_MOE_*` environment variables of the seeds (and FTCHAT_VRAM_BUDGET,
-FTCHAT_KV_CACHE_DTYPE), then defaults (docs/design.md section 1).
+FTCHAT_KV_CACHE_DTYPE, FTCHAT_PDL), then defaults (docs/design.md section 1).
 
 Nothing else in ftchat reads these variables: the CLI passes `os.environ` in here.
 """
@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from ftchat.errors import FtchatError, SettingsError
 
-if TYPE_CHECKING:  # torch is imported on use: `ftchat --help` and flag errors stay instant
+# torch, and every ftchat module that imports it, is imported on use (in the methods below):
+# `ftchat --help` and a flag error stay instant
+if TYPE_CHECKING:
     import torch
 
 ENV_PREFETCH = "FREETOKEN_MOE_PREFETCH"
@@ -25,6 +27,7 @@ ENV_AUDIT = "FREETOKEN_MOE_SLOT_AUDIT"
 ENV_SLIM_COPY = "FREETOKEN_MOE_SLIM_COPY"
 ENV_VRAM_BUDGET = "FTCHAT_VRAM_BUDGET"  # GiB; ftchat's own, not a seed variable
 ENV_KV_CACHE_DTYPE = "FTCHAT_KV_CACHE_DTYPE"  # auto or fp8; ftchat's own
+ENV_PDL = "FTCHAT_PDL"  # 1 or 0; ftchat's own
 
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
@@ -34,6 +37,7 @@ VerifyMode = Literal["meta", "bytes"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 DtypeName = Literal["auto", "float32", "bfloat16"]
 KvCacheDtype = Literal["auto", "fp8"]  # auto: the model dtype; fp8: e4m3 + scales (kv_cache.py)
+Kernels = Literal["fused", "torch"]  # fused: Triton decode kernels on CUDA; torch: the reference
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,9 @@ class Settings:
     device: DeviceName = "auto"
     dtype: DtypeName = "auto"
     kv_cache_dtype: KvCacheDtype = "auto"  # how attention K/V are stored; fp8 changes outputs
+    # ===== kernel choices (the KernelConfig is built from these) =====
+    kernels: Kernels = "fused"  # fused: Triton decode kernels on CUDA; torch: the reference
+    pdl: bool = True  # programmatic dependent launch where the GPU has it (Hopper and later)
     verify: VerifyMode | None = None
     audit_every: int = 0  # 0: off
     copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
@@ -112,6 +119,8 @@ class Settings:
 
 
 # ===== value parsers: (value, where) -> parsed; `where` names the flag or variable =====
+
+_TEXT_BOOLS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 
 def _fail(where: str, value: object, expected: str) -> SettingsError:
@@ -237,6 +246,13 @@ def _copy_programs_env(value: object, where: str) -> int:
         raise _fail(where, value, "a number of copy programs, or off") from None
 
 
+def _switch_env(value: object, where: str) -> bool:
+    v = str(value).strip().lower()
+    if v not in _TEXT_BOOLS:
+        raise _fail(where, value, "1 or 0")
+    return _TEXT_BOOLS[v]
+
+
 def _text(value: object, where: str) -> str:
     if not isinstance(value, str):
         raise _fail(where, value, "text")
@@ -270,6 +286,8 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "dtype": ("dtype", "--dtype", _choice(DtypeName), None, None),
     "kv_cache_dtype": ("kv_cache_dtype", "--kv-cache-dtype", _choice(KvCacheDtype),
                        ENV_KV_CACHE_DTYPE, _choice(KvCacheDtype)),
+    "kernels": ("kernels", "--kernels", _choice(Kernels), None, None),
+    "pdl": ("pdl", "--pdl", _bool, ENV_PDL, _switch_env),
     "verify": ("verify", "--verify", _choice(VerifyMode), ENV_VERIFY, _verify_env),
     "audit_every": ("audit", "--audit", _int(0), ENV_AUDIT, _int(0)),
     "copy_programs": ("copy_programs", "--copy-programs", _int(0), ENV_SLIM_COPY,
@@ -302,7 +320,7 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
     Args:
         flags: flag name with underscores (`budget_gdn`, `expert_vram`, ...) -> value or None.
         env: the process environment (only the FREETOKEN_MOE_* variables,
-            FTCHAT_VRAM_BUDGET and FTCHAT_KV_CACHE_DTYPE are read).
+            FTCHAT_VRAM_BUDGET, FTCHAT_KV_CACHE_DTYPE and FTCHAT_PDL are read).
     Raises:
         SettingsError: one line naming the flag or variable with the bad value.
     """
@@ -362,8 +380,6 @@ def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, i
 
 
 # ===== overrides (bench arms): the same parsers, values given as text =====
-
-_TEXT_BOOLS = {"1": True, "true": True, "on": True, "0": False, "false": False, "off": False}
 
 
 def override(base: Settings, flags: Mapping[str, str]) -> Settings:

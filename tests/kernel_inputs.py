@@ -162,8 +162,8 @@ def old_decode_blocks(rule: str, eager_cache: Callable[[int], int], capacity: in
 
 
 def needs_hopper(what: str):
-    """Skip marker for a test of `what` that needs a CUDA GPU of sm_90 or later (PDL, the bulk
-    L2 prefetch): not the interpreter, not an older GPU."""
+    """Skip marker for a test of `what` that needs a CUDA GPU of sm_90 or later (PDL): not the
+    interpreter, not an older GPU."""
     cuda = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
     return pytest.mark.skipif(not cuda or torch.cuda.get_device_capability() < (9, 0),
                               reason=f"{what} needs a CUDA GPU of sm_90 or later (not the "

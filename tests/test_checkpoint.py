@@ -12,9 +12,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ftchat.codecs.rows import RowLayout
 from ftchat.errors import ModelError
 from ftchat.model.checkpoint import Checkpoint
-from ftchat.codecs.rows import RowLayout
+from ftchat.model.registry import QWEN4_EXP, family_for_config, family_of, load_args
 from ftchat.model.synth import write_checkpoint
 
 
@@ -146,8 +147,21 @@ def test_unknown_model_type(tiny_bf16, tmp_path):
     cfg = json.loads((m / "config.json").read_text())
     cfg["model_type"] = "llama"
     (m / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelError, match="unsupported model_type 'llama'"):
+    with pytest.raises(ModelError, match="unsupported model_type 'llama'; ftchat runs "
+                       "qwen4_exp, qwen4_exp_text$"):
         Checkpoint(m)
+    with pytest.raises(ModelError, match="unsupported model_type 'llama'"):
+        load_args(m)  # what `run` checks the context with, before loading
+
+
+def test_the_registry_gives_the_family_of_a_config_and_of_its_args(tiny_bf16):
+    ck = Checkpoint(tiny_bf16)
+    assert ck.family is QWEN4_EXP and family_of(ck.args) is QWEN4_EXP
+    assert load_args(tiny_bf16) == ck.args
+    text = ck.hf_config["text_config"]  # a text-only config is the same family
+    assert family_for_config({**text, "model_type": "qwen4_exp_text"}) is QWEN4_EXP
+    with pytest.raises(ModelError, match="expected a JSON object"):
+        family_for_config([], "x.json")
 
 
 def test_unsupported_quantization(tiny_bf16, tmp_path):

@@ -1,4 +1,4 @@
-"""The basics a llama-cli / ollama user expects (issue 16): --version, short flags, a prompt
+"""The basics a llama-cli / ollama user expects: --version, short flags, a prompt
 file, --threads, --quiet, help grouped and without type labels on switches, one name for the
 audit interval."""
 
@@ -123,7 +123,11 @@ def _help(*argv: str) -> str:
 def test_help_is_grouped_and_shows_no_bool_labels():
     text = _help("run")
     panels = [m.group(1) for m in re.finditer(r"╭─ (.+?) ─", text)]
-    assert panels[-4:] == ["Generation", "Model and memory", "Offload tuning", "Debug"], panels
+    assert panels[-5:] == ["Generation", "Model and memory", "Kernels", "Offload tuning",
+                           "Debug"], panels
+    kernels = text[text.index("╭─ Kernels"):text.index("╭─ Offload tuning")]
+    for flag in ("--kernels", "fused|torch", "--pdl", "--no-pdl"):
+        assert flag in kernels, flag
     generation = text[text.index("╭─ Generation"):text.index("╭─ Model and memory")]
     for flag in ("--prompt", "-p", "--max-new-tokens", "-n", "--temp", "--seed", "--stop",
                  "--json", "--quiet"):
@@ -173,3 +177,27 @@ def test_every_option_is_named_after_its_parameter():
             if p.param_type_name == "option":
                 flag = "--" + p.name.replace("_", "-")
                 assert flag in p.opts, (name, p.name, p.opts)
+
+
+@pytest.mark.parametrize("command", ["run", "verify", "audit", "bench"])
+def test_kernel_choices_reach_the_settings(command, capsys, monkeypatch):
+    # every command that takes engine flags takes the kernel choices; its driver is replaced by
+    # one that records the settings it was given
+    seen = []
+    targets = {"run": "ftchat.ui.run.run", "verify": "ftchat.debug.verify_command.run_verify",
+               "audit": "ftchat.debug.audit_command.run_audit",
+               "bench": "ftchat.commands.bench_ui.run_bench"}
+    monkeypatch.setattr(targets[command], lambda model, settings, *a, **k: seen.append(settings)
+                        or 0)
+    extra = ["-p", "hi"] if command in ("run", "audit") else []
+    monkeypatch.setenv("FTCHAT_PDL", "1")
+    for flags, want in (([], ("fused", True)), (["--kernels", "torch", "--no-pdl"],
+                                                ("torch", False))):
+        code, _, err = _main([command, *extra, "--device", "cpu", *flags], capsys, monkeypatch)
+        assert code == 0, err
+        assert (seen[-1].kernels, seen[-1].pdl) == want
+    monkeypatch.setenv("FTCHAT_PDL", "0")  # the variable decides where no flag is given
+    assert _main([command, *extra, "--device", "cpu"], capsys, monkeypatch)[0] == 0
+    assert seen[-1].pdl is False
+    one_error(*_main([command, *extra, "--kernels", "triton"], capsys, monkeypatch),
+              "--kernels 'triton': expected fused or torch")

@@ -68,7 +68,7 @@ def test_chat_quits_on_ctrl_d_and_ctrl_c(tiny_nvfp4, ending, code):
     out, err = io.StringIO(), io.StringIO()
     assert run_chat(s, Screen(out, err, panel=False), None, reader([ending])) == code
     # the prompt's line is ended where the prompt was drawn (stdout), not on stderr: with
-    # stderr redirected the shell's prompt would follow `>>> ^C` on the same line (issue 16)
+    # stderr redirected the shell's prompt would follow `>>> ^C` on the same line
     assert (out.getvalue(), err.getvalue()) == ("\n", "")
 
 
@@ -169,7 +169,7 @@ def test_panel_is_not_cut_at_80_columns_in_rich():
         w.live.refresh()
     text = buf.getvalue()
     for label, value in figure_rows(FULL):
-        assert f"{label} {value}" in text, label  # before: "VRAM us", "precisio" (issue 16)
+        assert f"{label} {value}" in text, label  # not cut: "VRAM us", "precisio"
 
 
 @pytest.mark.parametrize("width", [80, 100])

@@ -1,4 +1,4 @@
-"""Bad input ends in one plain `error: ...` line and exit 1 (issue 16): damaged or wrong
+"""Bad input ends in one plain `error: ...` line and exit 1: damaged or wrong
 config.json and shards, --context beyond the model, synth output paths; and small output fixes.
 
 Most cases call `main()` in-process (no torch start per case); the no-argument help runs the real

@@ -1,4 +1,4 @@
-"""Piped mode (issue 16): each prompt answered as it arrives, Ctrl-C ends the last line cleanly,
+"""Piped mode: each prompt answered as it arrives, Ctrl-C ends the last line cleanly,
 empty prompts and other bad lines are plain errors (an error object under --json), stop
 strings."""
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftchat.debug import HookChain
-from ftchat.debug.audit import SlotAudit
-from ftchat.debug.verify import Verifier
+from ftchat.debug.slot_audit import SlotAudit
+from ftchat.debug.verifier import Verifier
+from ftchat.debug.watchers import HookChain
 from ftchat.engine import build_experts, generate
 from ftchat.offload.hooks import Hooks
 from ftchat.settings import Settings

@@ -117,11 +117,11 @@ def test_dense_nvfp4_needs_an_nvfp4_format():
 def test_the_plan_knows_which_checkpoints_keep_nvfp4(dense_nvfp4, tmp_path):
     # from the headers alone: a ModelOpt bf16 weight is named .weight like a packed one, so the
     # block scale decides (control: the same format with bf16 dense projections keeps none)
-    from ftchat import vram_plan as vp
+    from ftchat.vram.workloads import checkpoint_dense_nvfp4
 
     fmt, folder = dense_nvfp4
-    assert vp.checkpoint_dense_nvfp4(folder)
+    assert checkpoint_dense_nvfp4(folder)
     plain = write_checkpoint(tmp_path / "plain", "tiny", fmt=fmt, seed=2)
-    assert not vp.checkpoint_dense_nvfp4(plain)
+    assert not checkpoint_dense_nvfp4(plain)
     assert not any(isinstance(t, nvfp4.Nvfp4Weight)
                    for t in load_model(plain).weights.tensors.values())

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.offload.copy import copy_rows, copy_rows_ref
-from ftchat.offload.expert_kernels import routed_experts_any, routed_experts_decode_ref
-from ftchat.offload.experts import routed_experts
+from ftchat.kernels.row_copy import copy_rows_ref
+from ftchat.offload.copy import copy_rows
+from ftchat.offload.experts import routed_experts, routed_experts_any, routed_experts_decode_ref
 from tests.kernel_inputs import (copy_plan, exact_rows, expected_copy, place, random_rows,
                                  routing)
 
@@ -119,8 +119,9 @@ import sys
 sys.modules["triton"] = None  # any `import triton` now raises ImportError
 import torch
 from ftchat.codecs.rows import RowLayout
-from ftchat.offload import copy, expert_kernels
-assert not copy.HAS_TRITON and not expert_kernels.HAS_TRITON
+from ftchat.kernels import routed_experts
+from ftchat.offload import copy, experts
+assert not copy.HAS_TRITON and not routed_experts.HAS_TRITON
 host = torch.arange(2 * 128, dtype=torch.int64).to(torch.uint8).view(2, 128)
 bank = torch.zeros(3, 128, dtype=torch.uint8)
 copy.copy_rows(host, bank, torch.tensor([1, 2]), torch.tensor([0, 2], dtype=torch.int32),
@@ -128,8 +129,8 @@ copy.copy_rows(host, bank, torch.tensor([1, 2]), torch.tensor([0, 2], dtype=torc
 assert torch.equal(bank[0], host[1]) and int(bank[1].count_nonzero()) == 0
 layout = RowLayout("bf16", 32, 16)
 bank = torch.zeros(2, layout.nbytes, dtype=torch.uint8)
-out = expert_kernels.routed_experts_any(torch.ones(1, 32), bank, layout, torch.tensor([[0]]),
-                                        torch.tensor([[0]]), torch.ones(1, 1))
+out = experts.routed_experts_any(torch.ones(1, 32), bank, layout, torch.tensor([[0]]),
+                                torch.tensor([[0]]), torch.ones(1, 1))
 assert out.shape == (1, 32)
 print("ok")
 """

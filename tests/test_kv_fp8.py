@@ -1,4 +1,4 @@
-"""The opt-in FP8 K/V cache (issue 18, item 3; ftchat/model/kv_cache.py, docs/model.md 4.6).
+"""The opt-in FP8 K/V cache (ftchat/model/kv_cache.py, docs/model.md 4.6).
 
 (a) quantize / dequantize rows: codes are the nearest e4m3fn values (ties to even), within the
     e4m3 bound below; zero rows; the scale layout; store / gather through a DecodeState.
@@ -23,13 +23,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftchat import vram_plan as vp
 from ftchat.engine import Decoder, load_model, resident_backend
 from ftchat.errors import SettingsError
 from ftchat.model import kv_cache as kc
+from ftchat.model.config import ModelArgs
+from ftchat.model.kv_cache import AttentionCache
 from ftchat.model.state import DecodeState
+from ftchat.model.synth import preset_config
 from ftchat.session import Session
 from ftchat.settings import Settings, override, resolve_settings
+from ftchat.vram.items import Workload
+from ftchat.vram.plan import plan
+from ftchat.vram.workloads import (bench_workload, checkpoint_inputs, run_workload,
+                                   synthetic_inputs, verify_workload)
 from tests.kv_compare import decode_arm, kv_difference
 from tests.test_cli_errors import _main, one_error
 
@@ -110,23 +116,25 @@ def test_scale_layout_one_per_sequence_token_and_kv_head():
     assert torch.equal(codes.float().abs().amax(-1), torch.full((2, 5, 3), 448.0))
 
 
-def test_decode_state_layout_and_store_gather():
-    from ftchat.model.synth import preset_config
-    from ftchat.model.config import ModelArgs
+def _attention(state: DecodeState) -> AttentionCache:
+    return next(c for c in state.mixers if isinstance(c, AttentionCache))
 
+
+def test_decode_state_layout_and_store_gather():
     a = ModelArgs.from_hf(preset_config("tiny", None, eos=0))
-    auto = DecodeState.create(a, 2, 16, "cpu", F32)
-    same = DecodeState.create(a, 2, 16, "cpu", F32, kv_dtype=F32)
+    auto = _attention(DecodeState.create(a, 2, 16, "cpu", F32))
+    same = _attention(DecodeState.create(a, 2, 16, "cpu", F32, kv_dtype=F32))
     fp8 = DecodeState.create(a, 2, 16, "cpu", F32, kv_dtype=FP8)
-    layer = next(iter(auto.kv))
-    assert sorted(auto.kv[layer]) == sorted(same.kv[layer]) == ["ik", "k", "kbar", "v"]
-    assert auto.kv[layer]["k"].dtype == F32 and not kc.is_fp8(auto.kv[layer])
-    c = fp8.kv[layer]
-    assert sorted(c) == ["ik", "k", "k_scale", "kbar", "v", "v_scale"] and kc.is_fp8(c)
+    c = _attention(fp8)
+    for model_dtype in (auto, same):
+        assert model_dtype.k.dtype == F32 and not model_dtype.fp8
+        assert model_dtype.k_scale is None and model_dtype.kv_scales() is None
+        assert len(model_dtype.tensors()) == 4  # k, v, ik, kbar
+    assert c.fp8 and len(c.tensors()) == 6 and c.kv_scales() == (c.k_scale, c.v_scale)
     Hkv, hd = a.num_key_value_heads, a.head_dim
-    assert c["k"].shape == (2, 16, Hkv, hd) and c["k"].dtype == FP8
-    assert c["k_scale"].shape == (2, 16, Hkv) and c["v_scale"].dtype == F32
-    assert c["ik"].dtype == c["kbar"].dtype == F32  # index and block keys: the model dtype
+    assert c.k.shape == (2, 16, Hkv, hd) and c.k.dtype == c.v.dtype == FP8
+    assert c.k_scale.shape == (2, 16, Hkv) and c.v_scale.dtype == F32
+    assert c.ik.dtype == c.kbar.dtype == F32  # index and block keys: the model dtype
     with pytest.raises(ValueError):
         DecodeState.create(a, 1, 8, "cpu", F32, kv_dtype=torch.float16)
     # store at (rows, positions), gather back: the round trip of quantize/dequantize
@@ -138,8 +146,10 @@ def test_decode_state_layout_and_store_gather():
     assert torch.equal(vals, kc.dequantize_rows(*kc.quantize_rows(v), F32))
     unwritten = kc.gather_kv(c, (slice(None), slice(8, 16)), F32)[0]
     assert not unwritten.any()  # codes 0, scale 0: reads as 0, as the model-dtype zeros
-    fp8.reset(slice(0, 2), eos=0)
-    assert not any(t.view(torch.uint8).any() if t.dtype == FP8 else t.any() for t in c.values())
+    written = [bool((t.view(torch.uint8) if t.dtype == FP8 else t).any()) for t in c.tensors()]
+    fp8.reset(slice(0, 2), eos=0)  # FP8 codes zeroed through their bytes
+    assert written[:2] == [True, True]  # k and v held codes before
+    assert not any(t.view(torch.uint8).any() if t.dtype == FP8 else t.any() for t in c.tensors())
 
 
 # ===== (b) decode on the tiny synthetic model =====
@@ -216,7 +226,8 @@ def test_auto_is_the_model_dtype_cache_bit_for_bit(tiny, reference):
         tokens, logits = decode_arm(m, PROMPT, STEPS, kv, forced=reference[0])
         assert torch.equal(logits, reference[1])
     dec = Decoder(m, resident_backend(m), 1, 32)
-    assert all(c["k"].dtype == F32 and "k_scale" not in c for c in dec.state.kv.values())
+    caches = [c for c in dec.state.mixers if isinstance(c, AttentionCache)]
+    assert caches and all(c.k.dtype == F32 and not c.fp8 for c in caches)
 
 
 # ===== (d) the setting, the CLI, the plan =====
@@ -263,7 +274,7 @@ def test_help_shows_the_option(command, capsys, monkeypatch):
 def test_info_plans_the_fp8_bytes(capsys, monkeypatch):
     argv = ["info", "--synthetic", "flash-next", "--layers", "48", "--vram", "16", "--context",
             "255k"]
-    a, _ = vp.synthetic_inputs("flash-next", 48, "nvfp4-modelopt")
+    a, _ = synthetic_inputs("flash-next", 48, "nvfp4-modelopt")
     L, Hkv, hd, n_attn = 255 * 1024, a.num_key_value_heads, a.head_dim, 12
     code, out, _ = _main(argv, capsys, monkeypatch)
     assert code == 0 and f"{n_attn * L * 2 * Hkv * hd * 2:,}" in out
@@ -279,38 +290,39 @@ def test_info_plans_the_fp8_bytes(capsys, monkeypatch):
 
 @pytest.mark.parametrize("rows,context", [((1,), 64), ((1, 2, 3), 37)])
 def test_the_fp8_plan_item_is_the_decode_state(tiny_bf16, rows, context):
-    a, layout = vp.checkpoint_inputs(tiny_bf16)
-    w = vp.Workload(context, rows, cuda=False, kv_cache_dtype="fp8")
-    item = next(i for i in vp.plan(a, layout, BF16, w, 20).items if i.name == "KV cache (K and V)")
+    a, layout = checkpoint_inputs(tiny_bf16)
+    w = Workload(context, rows, cuda=False, kv_cache_dtype="fp8")
+    item = next(i for i in plan(a, layout, BF16, w, 20).items if i.name == "KV cache (K and V)")
     real = sum(t.nbytes for b in rows
-               for c in DecodeState.create(a, b, context, "cpu", BF16, kv_dtype=FP8).kv.values()
-               for n, t in c.items() if n in ("k", "v", "k_scale", "v_scale"))
+               for c in DecodeState.create(a, b, context, "cpu", BF16, kv_dtype=FP8).mixers
+               if isinstance(c, AttentionCache) for t in (c.k, c.v, c.k_scale, c.v_scale))
     assert item.nbytes == real and item.exact
-    auto = vp.plan(a, layout, BF16, vp.Workload(context, rows, cuda=False), 20)
+    auto = plan(a, layout, BF16, Workload(context, rows, cuda=False), 20)
     # only the KV item changes, and the prefill's transients (fp8 K/V are dequantized through
     # fp32 when the attention gathers them: more than model-dtype ones)
     act = "activations and workspaces (estimate)"
     others = [(i.name, i.nbytes) for i in auto.items if i.name not in (item.name, act)]
-    fp8 = vp.plan(a, layout, BF16, w, 20).items
+    fp8 = plan(a, layout, BF16, w, 20).items
     assert others == [(i.name, i.nbytes) for i in fp8 if i.name not in (item.name, act)]
     assert next(i.nbytes for i in fp8 if i.name == act) >= next(
         i.nbytes for i in auto.items if i.name == act)
 
 
 def test_workloads_carry_the_setting(tiny_bf16):
-    a, layout = vp.checkpoint_inputs(tiny_bf16)
+    a, layout = checkpoint_inputs(tiny_bf16)
     fp8, auto = Settings(kv_cache_dtype="fp8", device="cpu"), Settings(device="cpu")
-    assert vp.run_workload(a, layout, fp8).kv_cache_dtype == "fp8"
-    assert vp.verify_workload(a, layout, fp8, 8).kv_cache_dtype == "fp8"
-    assert vp.bench_workload(a, layout, fp8, [fp8, None], 64).kv_cache_dtype == "fp8"
+    assert run_workload(a, layout, fp8).kv_cache_dtype == "fp8"
+    assert verify_workload(a, layout, fp8, 8).kv_cache_dtype == "fp8"
+    assert bench_workload(a, layout, fp8, [fp8, None], 64).kv_cache_dtype == "fp8"
     # mixed arms (an auto arm): planned at the larger, model-dtype cache
-    assert vp.bench_workload(a, layout, fp8, [fp8, auto], 64).kv_cache_dtype == "auto"
+    assert bench_workload(a, layout, fp8, [fp8, auto], 64).kv_cache_dtype == "auto"
 
 
 def test_a_session_decodes_with_the_fp8_cache(tiny_nvfp4, capsys, monkeypatch):
     s = Session.open(tiny_nvfp4, Settings(kv_cache_dtype="fp8", device="cpu"))
     dec = s._new_decoder(1)
-    assert all(kc.is_fp8(c) for c in dec.state.kv.values()) and dec.state.kv
+    caches = [c for c in dec.state.mixers if isinstance(c, AttentionCache)]
+    assert caches and all(c.fp8 for c in caches)
     assert "(K/V cache fp8)" in s.describe()  # the load line says so
     code, out, err = _main(["run", str(tiny_nvfp4), "--kv-cache-dtype", "fp8", "--prompt",
                             "hello", "-n", "8", "--quiet"], capsys, monkeypatch)

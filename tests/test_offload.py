@@ -7,10 +7,16 @@ import dataclasses
 import pytest
 import torch
 
-from ftchat.engine import resident_backend
+from ftchat.engine import Decoder, build_experts, decode, generate, prefill, resident_backend
+from ftchat.errors import FtchatError
+from ftchat.model.state import DecodeState
+from ftchat.offload import backend
+from ftchat.offload import cache as sc
+from ftchat.offload.backend import StagedExperts, lends_staging
 from ftchat.offload.cache import check_invariants
+from ftchat.offload.streams import CpuStreams
 from ftchat.settings import Settings
-from tests.offload_util import STEPS, InvariantChecker, model, reference, run
+from tests.offload_util import PROMPTS, STEPS, InvariantChecker, model, reference, run
 
 
 @pytest.mark.parametrize("fmt", ["tiny_bf16", "tiny_nvfp4"])
@@ -44,8 +50,6 @@ def test_rule_has_fewer_misses_than_lru_here_too(tiny_bf16):
 
 
 def test_too_few_slots_is_a_clear_error(tiny_bf16):
-    from ftchat.errors import FtchatError
-
     with pytest.raises(FtchatError, match="fewer than batch size x top-k = 8"):
         run(tiny_bf16, 2, steps=1, slots=7)
 
@@ -53,10 +57,6 @@ def test_too_few_slots_is_a_clear_error(tiny_bf16):
 def test_prefill_leaves_the_slot_cache_alone(tiny_bf16):
     """Decode, then a second prompt's prefill with the same backend: maps unchanged by prefill,
     and the second run still equals the resident one."""
-    from ftchat.engine import generate, prefill
-    from ftchat.model.state import DecodeState
-    from tests.offload_util import PROMPTS
-
     m = model(tiny_bf16)
     tokens, logits, ex = run(tiny_bf16, 1, steps=30, slots=20)
     before = [t.clone() for t in (ex.maps.slot_of, ex.maps.id_of, ex.maps.key, ex.maps.clock)]
@@ -69,8 +69,6 @@ def test_prefill_leaves_the_slot_cache_alone(tiny_bf16):
 
 
 def test_reset_empties_the_cache_in_place(tiny_bf16):
-    from ftchat.offload.cache import check_invariants
-
     _, _, ex = run(tiny_bf16, 1, steps=10, slots=20)
     ptrs = [t.data_ptr() for t in (ex.maps.slot_of, ex.maps.id_of, ex.maps.key, ex.maps.clock)]
     assert int((ex.maps.id_of[:20] >= 0).sum()) > 0
@@ -84,21 +82,15 @@ def test_reset_empties_the_cache_in_place(tiny_bf16):
 def test_staged_prefill_equals_resident(tiny_nvfp4):
     """The CUDA prefill path (routed experts copied into a staging area, routed ids first) run
     on the CPU with the stream emulation: the same logits as reading the host rows directly."""
-    from ftchat.engine import build_experts, prefill
-    from ftchat.model.state import DecodeState
-    from ftchat.offload.backend import StagedExperts
-    from ftchat.offload.streams import CpuStreams
-    from ftchat.settings import Settings
-
     m = model(tiny_nvfp4)
     ids = torch.tensor([3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81, 200, 1, 9])
     empty = build_experts(m, Settings(slots=24, batch_size=1))  # every row from the host
     staged = StagedExperts(m.host_rows, m.layout, m.args.num_experts, m.device, CpuStreams(), 8,
                            (empty.maps.slot_of, empty.bank))
     outs = []
-    for backend in (staged, resident_backend(m)):
+    for experts in (staged, resident_backend(m)):
         st = DecodeState.create(m.args, 1, 32, "cpu", torch.float32)
-        outs.append(prefill(m, st, 0, ids, 0, backend))
+        outs.append(prefill(m, st, 0, ids, 0, experts))
     assert torch.equal(outs[0], outs[1])
     assert int(staged.rows_from_slots) == 0 and int(staged.rows_from_host) > 0
 
@@ -107,12 +99,6 @@ def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
     """Experts the decode cache holds are copied into staging from their slots, not the host:
     with the host rows of every cached expert corrupted, prefill is still exact; corrupting the
     host rows of the experts it does not hold changes the logits (the control)."""
-    from ftchat.engine import build_experts, generate, prefill
-    from ftchat.model.state import DecodeState
-    from ftchat.offload.backend import StagedExperts
-    from ftchat.offload.streams import CpuStreams
-    from ftchat.settings import Settings
-
     m = model(tiny_nvfp4)
     ex = build_experts(m, Settings(slots=24, batch_size=1))
     list(generate(m, [[3, 17, 99, 4, 250]], 12, ex))  # fill the cache
@@ -149,11 +135,6 @@ def test_staged_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4):
 def _streamed_prefill(m, host, slots, ids, monkeypatch, skip_wait: bool = False):
     """Prefill ids through a StagedExperts that streams whole layers ahead (the chunk threshold
     lowered to the tiny prompt); skip_wait: the MoE block does not wait for the streamed copy."""
-    from ftchat.engine import prefill
-    from ftchat.model.state import DecodeState
-    from ftchat.offload import backend
-    from ftchat.offload.streams import CpuStreams
-
     monkeypatch.setattr(backend, "STREAM_MIN_TOKENS", 8)
     staged = backend.StagedExperts(host, m.layout, m.args.num_experts, m.device, CpuStreams(), 8,
                                    slots)
@@ -178,16 +159,10 @@ def test_streamed_prefill_equals_resident(tiny_nvfp4, monkeypatch):
     logits of reading the host rows directly; every layer but the first came from a streamed
     copy of the whole layer. Control: the MoE block not waiting for that copy reads the previous
     layer's experts (the CPU emulation runs the copy only when waited for) and the logits move."""
-    from ftchat.engine import build_experts
-    from ftchat.settings import Settings
-
     m = model(tiny_nvfp4)
     E, L = m.args.num_experts, m.args.num_hidden_layers
     ids = torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(3))
     empty = build_experts(m, Settings(slots=24, batch_size=1))
-    from ftchat.engine import prefill
-    from ftchat.model.state import DecodeState
-
     ref = prefill(m, DecodeState.create(m.args, 1, 64, "cpu", torch.float32), 0, ids, 0,
                   resident_backend(m))
     slots = (empty.maps.slot_of, empty.bank)
@@ -204,10 +179,6 @@ def test_streamed_prefill_equals_resident(tiny_nvfp4, monkeypatch):
 def test_streamed_prefill_reads_cached_experts_from_their_slots(tiny_nvfp4, monkeypatch):
     """Streamed layers copy the experts the decode cache holds from their slots: with their host
     rows corrupted the prefill is still exact; corrupting the others' host rows is not (control)."""
-    from ftchat.engine import build_experts, generate, prefill
-    from ftchat.model.state import DecodeState
-    from ftchat.settings import Settings
-
     m = model(tiny_nvfp4)
     ex = build_experts(m, Settings(slots=24, batch_size=1))
     list(generate(m, [[3, 17, 99, 4, 250]], 12, ex))  # fill the cache
@@ -232,10 +203,6 @@ def _lent_run(folder, monkeypatch, slots: int, empty: bool = True):
     """Two prompts decoded with one backend whose prefill takes the CUDA staging path (stream
     emulation), the staging lent from the bank's last E+1 slots; empty=False: the slots are
     not emptied before they are lent (the control)."""
-    from ftchat.engine import build_experts, generate
-    from ftchat.offload import cache as sc
-    from tests.offload_util import PROMPTS
-
     m = model(folder)
     ex = build_experts(m, Settings(slots=slots, batch_size=1))
     monkeypatch.setattr(ex, "for_prefill", ex.staged_prefill)
@@ -255,8 +222,6 @@ def test_lent_staging_changes_no_bit(tiny_nvfp4, monkeypatch):
     there, and decode refills them; two prompts in a row give the all-resident tokens and
     logits, the maps stay sound, and the staging is the bank's own rows. Control: lending the
     slots without emptying them leaves maps that point at staged bytes, and the logits move."""
-    from ftchat.offload.backend import lends_staging
-
     m = model(tiny_nvfp4)
     E, S = m.args.num_experts, 40
     assert lends_staging(S, E) and not lends_staging(2 * (E + 1) - 1, E)
@@ -277,10 +242,6 @@ def test_lent_staging_changes_no_bit(tiny_nvfp4, monkeypatch):
 def test_a_small_bank_keeps_its_own_staging(tiny_nvfp4):
     """Below 2 x (E+1) slots the staging is a buffer of its own and prefill leaves the maps
     untouched (the behaviour small caches had before lending)."""
-    from ftchat.engine import build_experts, generate, prefill
-    from ftchat.model.state import DecodeState
-    from tests.offload_util import PROMPTS
-
     m = model(tiny_nvfp4)
     ex = build_experts(m, Settings(slots=24, batch_size=1))
     list(generate(m, PROMPTS[1], 12, ex))
@@ -300,9 +261,6 @@ def test_decode_after_a_streamed_prefill_is_the_resident_run(tiny_nvfp4, prefetc
     emulation, the chunk threshold lowered to the tiny prompt), then decoded from the slot cache
     with prefetch off and on: the resident run's tokens and logits, bit for bit. Control: the MoE
     block not waiting for the streamed copy (it reads the previous layer's experts) moves them."""
-    from ftchat.engine import Decoder, build_experts, decode
-    from ftchat.offload import backend
-
     monkeypatch.setattr(backend, "STREAM_MIN_TOKENS", 8)
     m = model(tiny_nvfp4)
     E, L = m.args.num_experts, m.args.num_hidden_layers

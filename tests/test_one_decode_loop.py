@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from ftchat import engine
-from ftchat.commands import bench, verify
+from ftchat.commands import bench
+from ftchat.debug.audit_command import audit_prompts
+from ftchat.debug.verify_command import verify_prompts
 from ftchat.session import Session
 from ftchat.settings import Settings
 
@@ -37,7 +39,7 @@ def test_chat_and_batch_run_the_engine_loop(tiny_nvfp4, recorded):
     s = Session.open(tiny_nvfp4, Settings(max_new_tokens=3))
     ids = s.turn_ids("hi")
     chat = [r.token for r in s.chat(ids)]
-    assert recorded == [f"rows=1 start=0"]
+    assert recorded == ["rows=1 start=0"]
     turn2 = s.turn_ids("more")
     list(s.chat(turn2))
     assert recorded[1] == f"rows=1 start={len(ids) + len(chat) - 1}"  # continues the state
@@ -49,9 +51,9 @@ def test_chat_and_batch_run_the_engine_loop(tiny_nvfp4, recorded):
 def test_verify_audit_and_bench_run_the_engine_loop(tiny_nvfp4, recorded):
     m = engine.load_model(tiny_nvfp4)
     s = Settings(slots=20, prefetch="on")
-    verdicts = verify.verify(m, lambda text: [3, 17, 99, 4], s, 1, 4, "meta", audit_every=2)
+    verdicts = verify_prompts(m, lambda text: [3, 17, 99, 4], s, 1, 4, "meta", audit_every=2)
     assert len(recorded) == 2 and verdicts[0].first_mismatch is None  # the off and on arms
-    verify.audit_run(m, [[3, 17, 99]], s, 2, 4)
+    audit_prompts(m, [[3, 17, 99]], s, 2, 4)
     assert len(recorded) == 3
     arms = bench.parse_arms("off;on", s)
     out = bench.bench_context(m, arms, 16, s, steps=2, rounds=1)

@@ -1,11 +1,11 @@
-"""The fused PLE decode (ftchat/kernels/ple_decode.py, kernels.PLE_FUSED): where it runs, and
-that its kernels compile for sm_90.
+"""The fused PLE decode (ftchat/kernels/ple_decode.py, the CUDA decode path of
+ple.ple_residual): where it runs, and that its kernels compile for sm_90.
 
 The kernels' numbers are checked against the torch path in tests/gpu/test_ple_decode_gpu.py
-(CUDA, or the Triton interpreter on CPU). Here: the CPU takes the torch path with the switch
-on too (R + ple_layer); `ple_block` is `ple_mix`
-after its two GEMVs and the key's norm; and the two kernels compile for sm_90 at the flash-next geometry (Triton
-with its ptxas, no GPU; skipped where Triton is not installed).
+(CUDA, or the Triton interpreter on CPU). Here: the CPU takes the torch path (R + ple_layer);
+`ple_block` is `ple_mix` after its two GEMVs and the key's norm; and the two kernels compile for
+sm_90 at the flash-next geometry (Triton with its ptxas, no GPU; skipped where Triton is not
+installed).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import PLE_FUSED, ple_fused_kernels
 from ftchat.model import ple
 from ftchat.model.layers import rms_norm
-from ftchat.model.synth_memory import model_args, synthetic_model
+from ftchat.model.synth import model_args
+from ftchat.model.synth_memory import synthetic_model
 from tests.kernel_compile import Recorder, compile_ptx
 
 
@@ -35,17 +35,15 @@ def _state(a, B: int, dtype):
             "conv": torch.randn(B, C, ST, generator=gen).to(dtype)}
 
 
-def test_the_cpu_takes_the_torch_path_with_the_switch_on():
+def test_the_cpu_takes_the_torch_path():
     _, a, w = _tiny_ple()
     gen = torch.Generator().manual_seed(1)
     R = torch.randn(2, 1, a.hc_count * a.hidden_size, generator=gen)
     ids = torch.tensor([[5], [17]])
     st0, st1 = _state(a, 2, R.dtype), _state(a, 2, R.dtype)
-    want = R + ple.ple_layer(R, ids, w, st0, a)
-    assert not PLE_FUSED.value  # off until measured
-    with ple_fused_kernels(True):  # on: still the torch path off CUDA
-        on = ple.ple_residual(R, ids, w, st1, a)
-    assert torch.equal(on, want) and torch.equal(st1["conv"], st0["conv"])
+    want = R + ple.ple_layer(R, ids, w, st0["ctx"], st0["conv"], a)
+    got = ple.ple_residual(R, ids, w, st1["ctx"], st1["conv"], a)  # fused kernels on: CPU
+    assert torch.equal(got, want) and torch.equal(st1["conv"], st0["conv"])
 
 
 def test_ple_block_is_ple_mix_after_its_gemvs_and_the_key_norm():

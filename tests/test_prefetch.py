@@ -9,8 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ftchat.engine import build_experts, generate
+from ftchat.offload import cache as sc
 from ftchat.offload.streams import CpuStreams
-from tests.offload_util import InvariantChecker, model, reference, run
+from ftchat.settings import Settings
+from tests.offload_util import PROMPTS, InvariantChecker, model, reference, run
 
 
 @pytest.mark.parametrize("fmt", ["tiny_bf16", "tiny_nvfp4"])
@@ -85,10 +88,6 @@ def test_measure_mode_changes_nothing(tiny_bf16):
 
 def test_prefills_between_decode_runs(tiny_bf16):
     """One backend across two generations, with a prefill in between, prefetch on."""
-    from ftchat.engine import build_experts, generate
-    from ftchat.settings import Settings
-    from tests.offload_util import PROMPTS
-
     m = model(tiny_bf16)
     ex = build_experts(m, Settings(slots=20, prefetch="on", batch_size=2))
     for prompts, bs in ((PROMPTS[2], 2), (PROMPTS[1], 1), (PROMPTS[2], 2)):
@@ -106,13 +105,7 @@ class StreamRecorder(InvariantChecker):
         self.on_map_write = lambda name: self.seen.append((name, self.streams.current))
 
 
-
-
 def test_single_writer_every_map_write_is_on_the_compute_stream(tiny_bf16):
-    from ftchat.engine import build_experts, generate
-    from ftchat.settings import Settings
-    from tests.offload_util import PROMPTS
-
     m = model(tiny_bf16)
     rec = StreamRecorder()
     ex = build_experts(m, Settings(slots=20, prefetch="on", batch_size=2), hooks=rec)
@@ -126,11 +119,6 @@ def test_single_writer_every_map_write_is_on_the_compute_stream(tiny_bf16):
 def test_single_writer_negative_control_install_from_the_predictor_stream(tiny_bf16):
     """The design that corrupted outputs: prefetch_ensure on the predictor stream. The same
     recorder must see it."""
-    from ftchat.engine import build_experts, generate
-    from ftchat.offload import cache as sc
-    from ftchat.settings import Settings
-    from tests.offload_util import PROMPTS
-
     m = model(tiny_bf16)
     rec = StreamRecorder()
     ex = build_experts(m, Settings(slots=20, prefetch="on", batch_size=2), hooks=rec)

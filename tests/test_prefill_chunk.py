@@ -1,7 +1,7 @@
-"""--prefill-chunk T (issue 17): a prompt is prefilled T tokens a call (fewer, larger calls copy
+"""--prefill-chunk T: a prompt is prefilled T tokens a call (fewer, larger calls copy
 each layer's experts fewer times on CUDA); the reply does not depend on T, and the VRAM plan
 sizes the prefill workspace for T. Decoder.prefill returns the last position's logits only
-(issue 18: [T, V] of a 255K prompt is ~126 GB) unless all_logits."""
+([T, V] of a 255K prompt is ~126 GB) unless all_logits."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from ftchat import engine
-from ftchat import vram_plan as vp
 from ftchat.errors import SettingsError
 from ftchat.model import qwen4_exp
 from ftchat.session import Session
 from ftchat.settings import Settings, resolve_settings
+from ftchat.sizes import PREFILL_CHUNK
+from ftchat.vram.workloads import checkpoint_inputs, run_workload
 
 
 def _reply(folder, chunk, monkeypatch) -> tuple[list[int], list[int]]:
@@ -32,7 +33,7 @@ def _reply(folder, chunk, monkeypatch) -> tuple[list[int], list[int]]:
 
 def test_the_chunk_sets_the_calls_not_the_reply(tiny_nvfp4, monkeypatch):
     default, calls = _reply(tiny_nvfp4, None, monkeypatch)
-    assert calls == [sum(calls)]  # a short prompt: one call of engine.PREFILL_CHUNK
+    assert calls == [sum(calls)]  # a short prompt: one call of PREFILL_CHUNK
     small, calls = _reply(tiny_nvfp4, 5, monkeypatch)
     assert len(calls) > 2 and set(calls[:-1]) == {5} and calls[-1] <= 5
     assert small == default
@@ -42,15 +43,15 @@ def test_the_flag_and_the_plan(tiny_nvfp4):
     assert resolve_settings({"prefill_chunk": "4096"}, {}).prefill_chunk == 4096
     with pytest.raises(SettingsError, match="--prefill-chunk 0: expected a positive integer"):
         resolve_settings({"prefill_chunk": 0}, {})
-    a, layout = vp.checkpoint_inputs(tiny_nvfp4)
-    w = vp.run_workload(a, layout, Settings(context=2048, prefill_chunk=512))
+    a, layout = checkpoint_inputs(tiny_nvfp4)
+    w = run_workload(a, layout, Settings(context=2048, prefill_chunk=512))
     assert w.prefill_tokens == 512
-    short = vp.run_workload(a, layout, Settings(context=300, prefill_chunk=512))
+    short = run_workload(a, layout, Settings(context=300, prefill_chunk=512))
     assert short.prefill_tokens == 300
-    assert vp.run_workload(a, layout, Settings(context=2048)).prefill_tokens == engine.PREFILL_CHUNK
+    assert run_workload(a, layout, Settings(context=2048)).prefill_tokens == PREFILL_CHUNK
 
 
-# ===== the last position's logits only (issue 18) =====
+# ===== the last position's logits only =====
 
 PROMPT = torch.tensor([3, 17, 99, 4, 250, 31, 7, 7, 12, 400, 5, 66, 81, 9, 140, 2, 23])  # 17
 
@@ -59,10 +60,10 @@ def _final_mixer_rows(monkeypatch) -> list[int]:
     # the rows each final mixer call (the only one without inject) gets, in order
     rows, real = [], qwen4_exp.hc_write_read
 
-    def spy(R, y, s, w, a, inject=True, prefetch=None):
+    def spy(R, y, s, w, a, inject=True, **kw):
         if not inject:
             rows.append(R.shape[0] * R.shape[1])
-        return real(R, y, s, w, a, inject, prefetch)
+        return real(R, y, s, w, a, inject, **kw)
 
     monkeypatch.setattr(qwen4_exp, "hc_write_read", spy)
     return rows

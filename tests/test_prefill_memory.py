@@ -1,5 +1,6 @@
 """The VRAM plan's prefill terms against the peak bytes a prefill really holds, measured on the
-CPU (ftchat/vram_plan.py `prefill_workspace`, docs/design.md 4.9).
+CPU (ftchat/vram/plan.py `prefill_workspace`, ftchat/model/qwen4_exp_memory.py, docs/design.md
+4.9).
 
 The measurement: torch.profiler with profile_memory records every allocation and free of the
 c10 CPU allocator (sizes, in order); the peak of their running sum is the most bytes the call
@@ -26,10 +27,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ftchat import engine
-from ftchat import vram_plan as vp
-from ftchat.model import gdn
+from ftchat.model import gdn, ple, qsa
+from ftchat.model import qwen4_exp as q
+from ftchat.model.qwen4_exp_memory import (attention_prefill_bytes, gdn_prefill_bytes,
+                                           hc_mix_bytes, ple_block_bytes)
 from ftchat.model.state import DecodeState
 from ftchat.model.synth_memory import synthetic_model
+from ftchat.vram.plan import prefill_workspace
 from tests.test_gdn_fused_projections import _args, _layer, _state
 
 SUB = 128  # GDN_SUBBLOCK for these tests: small, so a short T spans several
@@ -83,10 +87,10 @@ def test_plan_covers_the_gdn_prefill(geometry, dtype, monkeypatch):
     monkeypatch.setattr(gdn, "GDN_SUBBLOCK", SUB)
     for T in (100, SUB, 3 * SUB + 37, 8 * SUB + 5):
         measured = _gdn_peak(a, w, T, dtype)
-        planned = vp.gdn_prefill_bytes(a, dtype.itemsize, T, cuda=False)
+        planned = gdn_prefill_bytes(a, dtype.itemsize, T, cuda=False)
         assert measured <= planned <= 1.2 * measured, (T, measured, planned)
         if T > SUB:  # controls
-            assert vp.gdn_prefill_bytes(a, dtype.itemsize, SUB, cuda=False) < measured
+            assert gdn_prefill_bytes(a, dtype.itemsize, SUB, cuda=False) < measured
             with monkeypatch.context() as m:
                 m.setattr(gdn, "GDN_SUBBLOCK", 1 << 20)
                 unblocked = _gdn_peak(a, w, T, dtype)
@@ -110,16 +114,14 @@ def test_plan_covers_a_whole_prefill_call(T, L, kv, dense, sub, monkeypatch):
     ids = torch.randint(0, a.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
     measured = peak_bytes(lambda: engine.prefill(m, state, 0, ids, L - T, experts,
                                                  logits_at=slice(-1, None)))
-    planned = sum(vp.prefill_workspace(a, m.layout, 2, T, L, False, dense == "nvfp4",
+    planned = sum(prefill_workspace(a, m.layout, 2, T, L, False, dense == "nvfp4",
                                        fp8).values())
     assert measured <= planned <= 2 * measured, (measured, planned)
 
 
 def _ple_call(T: int, dtype=torch.bfloat16):
-    """(args, a fresh PLE state, the call of ple.ple_layer on T tokens of the tiny model's PLE
-    layer with a state)."""
-    from ftchat.model import ple
-
+    """(args, a fresh decode state, the call of ple.ple_layer on T tokens of the tiny model's PLE
+    layer with a state's PLE context and conv)."""
     m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", dtype)
     a = m.args
     i = a.ple_layers[0]
@@ -128,16 +130,13 @@ def _ple_call(T: int, dtype=torch.bfloat16):
     R = torch.randn(1, T, a.hc_count * a.hidden_size, generator=g).to(dtype)
     ids = torch.randint(0, a.vocab_size, (1, T), generator=g)
 
-    def fresh() -> dict:
-        st = DecodeState.create(a, 1, 4, "cpu", dtype)
-        return {"ctx": st.ple_ctx, "conv": st.ple_conv[i]}
-    return a, fresh, lambda st: ple.ple_layer(R, ids, w, st, a)
+    def fresh() -> DecodeState:
+        return DecodeState.create(a, 1, 4, "cpu", dtype)
+    return a, fresh, lambda st: ple.ple_layer(R, ids, w, st.ple_ctx, st.ple[i].conv, a)
 
 
 def test_ple_subblocks_change_no_bit(monkeypatch):
     """The PLE prefill in sub-blocks (the conv state passing on) gives the unblocked bits."""
-    from ftchat.model import ple
-
     _, fresh, call = _ple_call(300)
     whole = call(fresh())
     monkeypatch.setattr(ple, "PLE_SUBBLOCK", 64)
@@ -151,11 +150,9 @@ def test_plan_covers_the_ple_prefill(T, monkeypatch):
     """The plan's PLE term covers ple_layer's measured peak, within 1.5x, inside one sub-block
     (T 100) and across several (T 600 over sub-blocks of 128). Control: the sub-blocks off, the
     peak of the longer call exceeds the term (the plan relies on them)."""
-    from ftchat.model import ple
-
     monkeypatch.setattr(ple, "PLE_SUBBLOCK", SUB)
     a, fresh, call = _ple_call(T)
-    planned = vp._ple_block(a, 2, T)
+    planned = ple_block_bytes(a, 2, T)
     st = fresh()
     measured = peak_bytes(lambda: call(st))
     assert measured <= planned <= 1.5 * measured, (measured, planned)
@@ -168,8 +165,6 @@ def test_plan_covers_the_ple_prefill(T, monkeypatch):
 def _hc_call(T: int, dtype=torch.bfloat16):
     """(args, the call of the prefill's hc_write_read on T tokens of the tiny model's first
     mixer: the pending write of a block output y with weights s, then the read)."""
-    from ftchat.model import qwen4_exp as q
-
     m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", dtype)
     a = m.args
     w = m.weights.layers[0]["mlp_hyper_connection"]
@@ -182,8 +177,6 @@ def _hc_call(T: int, dtype=torch.bfloat16):
 
 def test_hc_subblocks_change_no_bit(monkeypatch):
     """The prefill's hyper-connection read in sub-blocks gives the unblocked bits."""
-    from ftchat.model import qwen4_exp as q
-
     _, call = _hc_call(300)
     whole = call()
     for sub in (64, 7):
@@ -196,11 +189,9 @@ def test_plan_covers_the_hc_prefill(T, monkeypatch):
     """The plan's hyper-connection term covers hc_write_read's measured peak, within 1.5x,
     inside one sub-block (T 100) and across several (T 600 over sub-blocks of 128). Control:
     the sub-blocks off, the longer call's peak exceeds the term."""
-    from ftchat.model import qwen4_exp as q
-
     monkeypatch.setattr(q, "HC_SUBBLOCK", SUB)
     a, call = _hc_call(T)
-    planned = vp._hc_mix(a, 2, T)
+    planned = hc_mix_bytes(a, 2, T)
     measured = peak_bytes(call)
     assert measured <= planned <= 1.5 * measured, (measured, planned)
     if T > SUB:
@@ -211,8 +202,6 @@ def test_plan_covers_the_hc_prefill(T, monkeypatch):
 def _causal_call(T: int):
     """(args, the tiny model's engine.prefill of T tokens from position 0 in bf16 on the CPU:
     a context short enough that the QSA layers attend causally)."""
-    from ftchat.model import qsa
-
     m = synthetic_model("tiny", None, "nvfp4-modelopt", "cpu", torch.bfloat16)
     # a budget of 512 tokens (a selection parameter, no weight depends on it): causal up to it
     m = dataclasses.replace(m, args=dataclasses.replace(m.args, indexer_budget=512))
@@ -230,8 +219,6 @@ def _causal_call(T: int):
 def test_causal_query_chunks_change_no_bit(monkeypatch):
     """The causal prefill attention in query chunks (qsa.CAUSAL_ELEMS small enough to split the
     tiny model's queries into 2..T chunks) gives the unchunked logits, bit for bit (CPU)."""
-    from ftchat.model import qsa
-
     a, _, call = _causal_call(200)
     whole = call()
     for tq in (64, 7, 1):
@@ -241,12 +228,10 @@ def test_causal_query_chunks_change_no_bit(monkeypatch):
 
 
 def test_plan_covers_the_causal_prefill_in_query_chunks(monkeypatch):
-    """The plan's attention term (vram_plan._prefill_attention) covers the measured peak of the
+    """The plan's attention term (attention_prefill_bytes) covers the measured peak of the
     tiny model's attention mixer on a causal prefill of T tokens whose attention runs in query
     chunks, within 2x; control: the same call unchunked holds more than that term (the chunks
     are what the plan relies on)."""
-    from ftchat.model import qsa
-
     T = 256
     a, m, _ = _causal_call(T)
     layer = next(i for i in range(a.num_hidden_layers) if a.is_attention(i))
@@ -256,11 +241,11 @@ def test_plan_covers_the_causal_prefill_in_query_chunks(monkeypatch):
 
     def call():
         state = DecodeState.create(a, 1, T, "cpu", torch.bfloat16)
-        cache = {k: c[0:1] for k, c in state.kv[layer].items()}
+        cache = state.mixers[layer].rows(slice(0, 1))
         return lambda: qsa.attention_mixer(x, w, cache, pos, T, a)
 
     monkeypatch.setattr(qsa, "CAUSAL_ELEMS", a.num_attention_heads * T * 16)
-    planned = vp._prefill_attention(a, 2, T, T, False, False, torch.bfloat16)
+    planned = attention_prefill_bytes(a, 2, T, T, False, False, torch.bfloat16)
     measured = peak_bytes(call())
     assert measured <= planned <= 2 * measured, (measured, planned)
     monkeypatch.setattr(qsa, "CAUSAL_ELEMS", 1 << 40)

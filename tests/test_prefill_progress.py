@@ -1,4 +1,4 @@
-"""The prefill progress line (issue 17): engine.decode reports each prefill chunk, and the chat
+"""The prefill progress line: engine.decode reports each prefill chunk, and the chat
 draws a transient line from the reports only on a terminal."""
 
 from __future__ import annotations
@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 
 import pytest
-import torch
 from rich.console import Console
 
 from ftchat import engine

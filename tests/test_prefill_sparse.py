@@ -1,4 +1,4 @@
-"""Prefill that scales with the prompt (issue 17 item 2): the query-chunked sparse QSA prefill
+"""Prefill that scales with the prompt: the query-chunked sparse QSA prefill
 (qsa.prefill_attention) and the chunked GDN prefill against their references.
 
 (a) the per-query selections equal the dense mask `select_tokens` exactly, ties included;
@@ -35,7 +35,7 @@ def prefill_mask(iq, ik, w, a, pos, tq: int) -> torch.Tensor:
     with mock.patch.object(qsa, "prefill_query_chunk", lambda T, *_: min(T, tq)):
         chunks = qsa.prefill_chunks(pos, L, a)
     for part, span in chunks:
-        idx, ok = qsa.select_blocks_rows(iq[:, part], cache["kbar"], pos[:, part], span, a)
+        idx, ok = qsa.select_blocks_rows(iq[:, part], cache.kbar, pos[:, part], span, a)
         assert idx.shape[-1] <= a.indexer_budget + a.indexer_compress_ratio - 1
         count = torch.zeros(B, idx.shape[1], L, dtype=torch.long).scatter_add_(-1, idx, ok.long())
         assert count.max() <= 1  # no token attended twice
@@ -199,8 +199,8 @@ def test_prefill_memory_is_bounded_by_the_query_chunk(monkeypatch):
     g = torch.Generator().manual_seed(5)
     w = norm_weight(a)
     cache = fill_cache(torch.randn(1, L, a.indexer_head_dim, generator=g), w, a, L)
-    for name in ("k", "v"):
-        cache[name] = torch.randn(1, L, a.num_key_value_heads, a.head_dim, generator=g)
+    cache.k = torch.randn(1, L, a.num_key_value_heads, a.head_dim, generator=g)
+    cache.v = torch.randn(1, L, a.num_key_value_heads, a.head_dim, generator=g)
     q = torch.randn(1, T, a.num_attention_heads, a.head_dim, generator=g)
     iq = torch.randn(1, T, a.indexer_n_heads, a.indexer_head_dim, generator=g)
     pos = torch.arange(L - T, L)[None]

@@ -10,6 +10,7 @@ import torch
 from ftchat.kernels.qsa_decode import QsaDims
 from ftchat.model import qsa
 from ftchat.model.config import ModelArgs
+from ftchat.model.kv_cache import AttentionCache
 from ftchat.model.qwen4_exp import Weights
 from ftchat.model.spec import dense_specs
 from ftchat.model.state import DecodeState
@@ -29,8 +30,8 @@ def _layer(a: ModelArgs, dtype=torch.float32, seed: int = 0) -> dict:
     return {k: _init(s.shape, s.init, gen).to(dtype) for k, s in specs.items()}
 
 
-def _cache(a: ModelArgs, B: int, L: int, dtype) -> dict:
-    return DecodeState.create(a, B, L, "cpu", dtype).kv[LAYER]
+def _cache(a: ModelArgs, B: int, L: int, dtype) -> AttentionCache:
+    return DecodeState.create(a, B, L, "cpu", dtype).mixers[LAYER]
 
 
 def test_fused_weight_holds_the_four_as_views():
@@ -124,7 +125,7 @@ def test_mixer_output_unchanged_by_fusion():
             want = qsa.attention_mixer(x, plain, c_plain, pos, kv_len, a)
             got = qsa.attention_mixer(x, fused, c_fused, pos, kv_len, a)
             assert torch.equal(got, want), (dtype, T)
-            assert all(torch.equal(c_plain[n], c_fused[n]) for n in c_plain)
+            assert all(torch.equal(p, f) for p, f in zip(c_plain.tensors(), c_fused.tensors()))
             start += T
 
 

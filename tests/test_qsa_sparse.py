@@ -18,6 +18,7 @@ from torch import Tensor
 from ftchat.engine import decode_step, load_model, prefill, resident_backend
 from ftchat.model import qsa
 from ftchat.model.config import ModelArgs
+from ftchat.model.kv_cache import AttentionCache
 from ftchat.model.layers import apply_rope, rms_norm, rope_cos_sin
 from ftchat.model.qwen4_exp import forward
 from ftchat.model.state import DecodeState
@@ -40,16 +41,17 @@ def norm_weight(a: ModelArgs, seed: int = 0) -> dict:
     return {"indexer.k_layernorm.weight": torch.randn(a.indexer_head_dim, generator=g) * 0.1}
 
 
-def fill_cache(ik: Tensor, w: dict, a: ModelArgs, prefill_len: int) -> dict:
+def fill_cache(ik: Tensor, w: dict, a: ModelArgs, prefill_len: int) -> AttentionCache:
     """A layer cache holding raw keys ik [B, L, di], k̄ written as the model does: tokens
-    [0, prefill_len) in one prefill write, then one decode write per token."""
+    [0, prefill_len) in one prefill write, then one decode write per token (K, V zero)."""
     B, L, di = ik.shape
-    cache = {"ik": torch.zeros_like(ik), "kbar": torch.zeros(B, L // a.indexer_compress_ratio, di)}
+    cache = AttentionCache.zeros(B, L, a.num_key_value_heads, a.head_dim, di,
+                                 a.indexer_compress_ratio, "cpu", ik.dtype)
     pos = torch.arange(L).expand(B, L)
     spans = [(0, prefill_len)] + [(p, p + 1) for p in range(prefill_len, L)]
     for s, e in spans:
         if e > s:
-            cache["ik"][:, s:e] = ik[:, s:e]
+            cache.ik[:, s:e] = ik[:, s:e]
             qsa.write_block_keys(cache, pos[:, s:e], w, a)
     return cache
 
@@ -86,7 +88,7 @@ def mismatches(iq: Tensor, ik: Tensor, w: dict, a: ModelArgs, positions, prefill
         kv_len = p + 1
         want[:, :kv_len] = qsa.select_tokens(iq[:, None], ik[:, :kv_len], pos[:, None], w, a)[:, 0]
         for n in (kv_len, L):
-            if not torch.equal(sparse_mask(iq, cache["kbar"], pos, n, a, L), want):
+            if not torch.equal(sparse_mask(iq, cache.kbar, pos, n, a, L), want):
                 bad.append(p)
     return bad
 
@@ -125,10 +127,10 @@ def test_cached_block_keys_equal_pooling_from_scratch(tiny_bf16, dtype):
 
     def check(n: int) -> None:  # after n tokens: exactly the n // r complete blocks are pooled
         for i in layers:
-            cache = st.kv[i]
-            want = pooled_from_scratch(cache["ik"], m.weights.layers[i]["self_attn"], a, n)
-            assert torch.equal(cache["kbar"][:, : n // r], want)
-            assert not cache["kbar"][:, n // r :].any()  # the open block and beyond: not yet
+            cache = st.mixers[i]
+            want = pooled_from_scratch(cache.ik, m.weights.layers[i]["self_attn"], a, n)
+            assert torch.equal(cache.kbar[:, : n // r], want)
+            assert not cache.kbar[:, n // r :].any()  # the open block and beyond: not yet
 
     ids = torch.randint(0, 500, (45,), generator=torch.Generator().manual_seed(0))
     pos = 0
@@ -142,7 +144,7 @@ def test_cached_block_keys_equal_pooling_from_scratch(tiny_bf16, dtype):
         check(pos)
     assert pos % r != 0  # ends with an open block
     st.reset(slice(0, 1), a.eos_token_id)
-    assert not any(c["kbar"].any() for c in st.kv.values())
+    assert not any(st.mixers[i].kbar.any() for i in layers)
 
 
 # (b) -------------------------------------------------------------------------------------------
@@ -184,7 +186,7 @@ def spans_differ(a: ModelArgs, L: int) -> list[int]:
     g = torch.Generator().manual_seed(7)
     ik = torch.randn(2, L, a.indexer_head_dim, generator=g)
     iq = torch.randn(2, a.indexer_n_heads, a.indexer_head_dim, generator=g)
-    kbar = fill_cache(ik, norm_weight(a), a, 5)["kbar"]
+    kbar = fill_cache(ik, norm_weight(a), a, 5).kbar
     bad = []
     for p in range(L):
         pos = torch.tensor([p, p // 3])

@@ -68,7 +68,7 @@ def test_random_texts_match_the_rule(tok):
 
 
 def test_the_demo_model_closing_the_block_twice(tok):
-    # The shipped demo model's greedy reply to "hi" (issue 16: a stray second </think> was shown)
+    # The shipped demo model's greedy reply to "hi" (a stray second </think> must not show)
     ids = [8191, 272, 8191, 272, 395, 63, 2729, 198, 475, 6258, 6701, 345, 258, 382, 1994, 8141,
            16, 428, 395, 63]
     assert tok.decode(ids).startswith("</think>\n\n</think>\n\n```python")

@@ -1,4 +1,4 @@
-"""Sampling, opt-in (issue 16): the chooser inside engine.decode, reproducible with a seed,
+"""Sampling, opt-in: the chooser inside engine.decode, reproducible with a seed,
 lossless prefetch still bit-identical under sampling, and the flags / JSON keys."""
 
 from __future__ import annotations

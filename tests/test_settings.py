@@ -81,6 +81,8 @@ FLAG_CASES = [
     ("verify", "bytes", "bytes", "1", "--verify"),
     ("audit", 10, 10, -1, "--audit"),
     ("copy_programs", 0, 0, -4, "--copy-programs"),
+    ("kernels", "torch", "torch", "triton", "--kernels"),
+    ("pdl", False, False, "no", "--pdl"),
 ]
 FIELD = {"budget": "budget_gdn", "expert_vram": "expert_vram_gib", "audit": "audit_every"}
 
@@ -103,6 +105,7 @@ ENV_CASES = [
     ("FREETOKEN_MOE_PREFETCH_VERIFY", "meta", "2"),
     ("FREETOKEN_MOE_SLOT_AUDIT", "8", "-8"),
     ("FREETOKEN_MOE_SLIM_COPY", "on", "fast"),
+    ("FTCHAT_PDL", "0", "2"),
 ]
 
 
@@ -113,6 +116,19 @@ def test_invalid_environment(var, good, bad):
         resolve_settings({}, {var: bad})
     msg = str(e.value)
     assert msg.startswith(f"{var}={bad!r}: expected") and "\n" not in msg
+
+
+@pytest.mark.parametrize("flags, env, kernels, pdl", [
+    ({}, {}, "fused", True),  # the defaults
+    ({}, {"FTCHAT_PDL": "0"}, "fused", False),  # the variable beats the default
+    ({}, {"FTCHAT_PDL": "1"}, "fused", True),
+    ({"pdl": True}, {"FTCHAT_PDL": "0"}, "fused", True),  # the flag beats the variable
+    ({"pdl": False}, {"FTCHAT_PDL": "1"}, "fused", False),
+    ({"kernels": "Torch"}, {}, "torch", True),
+])
+def test_kernel_choices(flags, env, kernels, pdl):
+    s = resolve_settings(flags, env)
+    assert (s.kernels, s.pdl) == (kernels, pdl)
 
 
 def test_invalid_environment_ignored_when_flag_given():

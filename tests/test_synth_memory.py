@@ -1,11 +1,10 @@
 """The in-memory synthetic model (bench at real depth) against `ftchat synth` + load_model, and
-`ftchat synth`'s output against digests recorded before the generator was shared."""
+`ftchat synth`'s output against recorded digests."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import platform
 from pathlib import Path
 
 import pytest
@@ -15,34 +14,38 @@ from ftchat.engine import LoadedModel, generate, load_model, resident_backend
 from ftchat.errors import FtchatError
 from ftchat.model import synth, synth_memory
 from ftchat.codecs.rows import RowLayout
-from ftchat.model.synth_memory import model_args, synthetic_model
+from ftchat.model.synth import model_args, row_layout
+from ftchat.model.synth_memory import synthetic_model
 from ftchat.profile import kernels_per_call, profile_call, union_us
 
-# sha256 of the model files `write_checkpoint(dst, "tiny", fmt=F, seed=S)` wrote with the
-# writer of commit 4c03bdd (before synth.generate existed). Tokenizer files are left out: the
-# tokenizers library writes them and the refactor does not touch them.
+# sha256 of the model files `write_checkpoint(dst, "tiny", fmt=F, seed=S)` writes with torch.randn
+# replaced by `exact_normal` (every other draw, shape, scale, cast, quantization and the file
+# layout as they are), so that they are the same bits on every platform and torch version.
+# Recorded with the writer that also reproduced, with the real torch.randn on torch 2.13 x86-64,
+# the digests of the writer of commit 4c03bdd (before synth.generate existed). Tokenizer files
+# are left out: the tokenizers library writes them.
 CFG, GEN, IDX = "config.json", "generation_config.json", "model.safetensors.index.json"
 ST1, ST2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
 DIGESTS = {
     ("bf16", 0): {
         CFG: "03b5c6aff2319f8ce79bee2592df447995fa8d3585d4e141157cde03ae2c555d",
         GEN: "9e0d136affa65808e451fa104f7390a2338b07f035d42c0ca3cd5b6aecb75806",
-        ST1: "ff29aef8a541b273e3199878f9846ac4f3a2c55c5c1902bd6a456822eae1a9eb",
-        ST2: "b6308032f8f19b304ae865a3de600690820228ef648823663719ee86ead284f0",
+        ST1: "25a7f47e956a4e1de8e903d74913a3010fef9ac216bfd6517fd972e74b65b121",
+        ST2: "ca366690a626f71c702b82cc73a590a58202d01b0248aabed0abe2bf59d4aa04",
         IDX: "802b7d882321463776d4d9c2d2acdbe07a8181e3de8621d48d1a207d8e87144d",
     },
     ("nvfp4-modelopt", 1): {
         CFG: "398fd2e42445283bfa091085de3406fbf19ad99a6fc5a5678bc55ffc383d92d7",
         GEN: "9e0d136affa65808e451fa104f7390a2338b07f035d42c0ca3cd5b6aecb75806",
-        ST1: "36db490af845fed84ebc67b35347002622b51bf7b55fb144e69b65a9ec92572b",
-        ST2: "e358f9e6fb0883b088f8d1d40f8de956c2eb3ecc8b81a3141be3a2b258239364",
+        ST1: "02834ab6295f51a9a8778988293e164f04d1c45474e8cbb4db385fe7322e3220",
+        ST2: "10465bee0e2ebe848188f9443161cbaacb82df1a3586ed3ce8e912fe11bbbcc8",
         IDX: "fe96c0852a3d7a355f8f45e6f0a0cf4eb42eb85c646b98f03e8d4d260ac9c29e",
     },
     ("nvfp4-ct", 1): {
         CFG: "c22264ab7b2d87c542446193dd052afbc067765155d4736e3886b1782449ef54",
         GEN: "9e0d136affa65808e451fa104f7390a2338b07f035d42c0ca3cd5b6aecb75806",
-        ST1: "4acb02d3e10535696e5e1adf06b64681bece96d6770190e01f8cb9b18033eae1",
-        ST2: "0fd0a36086ddc3abda66077bdae6191fb41f7b2cc628be4deedd82978d851aff",
+        ST1: "5f202434fc451371a2e33ef90fc5164761df10c3dccdbf3b9bfd2cd19035f6b0",
+        ST2: "7bb6b92d5bb3389cb927e68f3f650385fe9792617b08e79168df94f59abe50ca",
         IDX: "aef804135de290e4c8be34fe07588df5d89db997637ea4c98b47d220734befc9",
     },
 }
@@ -59,12 +62,31 @@ def _digests(folder: Path) -> dict[str, str]:
 # ===== `ftchat synth` output unchanged =====
 
 
-@pytest.mark.skipif(not torch.__version__.startswith("2.13") or platform.machine() != "x86_64",
-                    reason="digests recorded with torch 2.13 on x86-64 (the CPU generator's bits)")
+def exact_normal(shape: tuple[int, ...], generator: torch.Generator | None = None,
+                 device=None) -> torch.Tensor:
+    """torch.randn's stand-in: the Irwin-Hall sum of 12 uniform 20-bit integers from the same
+    generator, centred, times 2^-20 (mean 0, variance 1; every value exact in fp32). Integer
+    draws of the CPU generator (mt19937) are the same bits everywhere; randn's normals are
+    not (vectorized paths differ by CPU and torch version)."""
+    u = torch.randint(0, 1 << 20, (12, *shape), generator=generator, device=device)
+    return ((u.sum(0) - 6 * (1 << 20)).double() / (1 << 20)).float()
+
+
 @pytest.mark.parametrize("key", list(DIGESTS), ids=lambda k: f"{k[0]}-seed{k[1]}")
-def test_synth_writes_the_bytes_of_the_writer_before_the_refactor(key, request):
-    got = _digests(request.getfixturevalue(FIXTURES[key]))
-    assert got == DIGESTS[key], "synth output changed (or torch's CPU generator did)"
+def test_synth_writes_the_recorded_bytes(key, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "randn", exact_normal)
+    fmt, seed = key
+    got = _digests(synth.write_checkpoint(tmp_path / "ck", "tiny", fmt=fmt, seed=seed))
+    assert got == DIGESTS[key], "synth output changed"
+
+
+def test_the_recorded_digests_see_the_normals(tmp_path, monkeypatch):
+    """Control: the same writer with normals of another scale (x 1.5) changes the tensor files'
+    digests, not the others."""
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: 1.5 * exact_normal(*a, **k))
+    got = _digests(synth.write_checkpoint(tmp_path / "ck", "tiny", fmt="bf16", seed=0))
+    want = DIGESTS["bf16", 0]
+    assert [n for n in want if got[n] != want[n]] == [ST1, ST2]
 
 
 def test_a_changed_tensor_changes_the_digests(tmp_path, tiny_bf16):
@@ -165,7 +187,7 @@ def test_row_writer_packs_like_row_layout_pack_padding_included(fmt, H, I, stage
     """Geometries whose rows have alignment padding (the presets' rows have none): the writer
     zeroes it over garbage, written straight into the host rows or through a staging block."""
     a = dataclasses.replace(model_args("tiny", 2, fmt), hidden_size=H, moe_intermediate_size=I)
-    layout = synth_memory.row_layout(a, fmt)
+    layout = row_layout(a, fmt)
     assert synth_memory._gaps(layout)
     E = 3
     host = torch.full((2 * E, layout.nbytes), 0xA5, dtype=torch.uint8)  # [L*E, R] garbage
@@ -193,7 +215,7 @@ def test_flash_next_geometry_without_generating():
     a = model_args("flash-next", 48, "nvfp4-modelopt")
     assert a.num_hidden_layers == 48 and a.layer_types.count("indexed_attention") == 12
     assert (a.hidden_size, a.num_experts, a.num_experts_per_tok) == (2560, 512, 10)
-    layout = synth_memory.row_layout(a, "nvfp4-modelopt")
+    layout = row_layout(a, "nvfp4-modelopt")
     assert layout == RowLayout("nvfp4", 2560, 640) and layout.nbytes == 2_780_160
     assert synth.special_ids("flash-next") == {
         "<|endoftext|>": 248044, "<|im_start|>": 248045, "<|im_end|>": 248046,

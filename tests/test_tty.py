@@ -1,4 +1,4 @@
-"""Chat in a real pseudo-terminal (pexpect), issue 16: keys typed while a reply streams (echo
+"""Chat in a real pseudo-terminal (pexpect): keys typed while a reply streams (echo
 off, nothing lost, nothing sent unseen), Ctrl-D typed during a reply, Ctrl-C at the prompt with
 stderr redirected, and output at 80 columns.
 

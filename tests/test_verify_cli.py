@@ -6,9 +6,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
-from ftchat.cli import app
+import ftchat.engine as engine
+from ftchat.cli import app, main
+from ftchat.commands import bench_ui
+from ftchat.debug import verify_command
+from ftchat.debug.slot_audit import SlotAudit
+from ftchat.model.tokenizer import Tokenizer
 from ftchat.offload.backend import OffloadExperts
 
 runner = CliRunner()
@@ -37,12 +43,10 @@ def test_verify_audits_every_prompt_even_a_short_one(tiny_nvfp4):
 
 
 def test_verify_reports_each_prompts_length(tiny_nvfp4):
-    from ftchat.commands.verify import cold_prompts
-    from ftchat.model.tokenizer import Tokenizer
 
     tok = Tokenizer.from_folder(tiny_nvfp4)
     want = [len(tok.encode(tok.render_chat([{"role": "user", "content": t}])))
-            for t in cold_prompts(3, 0)]
+            for t in verify_command.cold_prompts(3, 0)]
     res = _verify(tiny_nvfp4)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
@@ -50,11 +54,10 @@ def test_verify_reports_each_prompts_length(tiny_nvfp4):
 
 
 def test_verify_prompt_seed_picks_other_cold_prompts(tiny_nvfp4, monkeypatch):
-    from ftchat.commands import verify as commands
 
     seen = []
-    real = commands.cold_prompts
-    monkeypatch.setattr(commands, "cold_prompts",
+    real = verify_command.cold_prompts
+    monkeypatch.setattr(verify_command, "cold_prompts",
                         lambda n, seed: seen.append(real(n, seed)) or seen[-1])
     outs = [json.loads(_verify(tiny_nvfp4, *args).stdout.strip().splitlines()[-1])
             for args in ((), ("--prompt-seed", "7"))]
@@ -64,7 +67,6 @@ def test_verify_prompt_seed_picks_other_cold_prompts(tiny_nvfp4, monkeypatch):
 
 
 def test_verify_that_audited_nothing_fails(tiny_nvfp4, monkeypatch):
-    from ftchat.debug.audit import SlotAudit
 
     monkeypatch.setattr(SlotAudit, "audit", lambda self, view: None)  # the check never runs
     res = _verify(tiny_nvfp4)
@@ -99,21 +101,17 @@ def test_audit_and_bench_commands(tiny_bf16):
 
 
 def test_an_internal_error_is_one_line(monkeypatch, capsys, tiny_bf16):
-    import ftchat.ui.debug as dbg
-    from ftchat.cli import main
 
     def boom(*a, **k):
         raise RuntimeError("device fell over\nsecond line")
 
-    monkeypatch.setattr(dbg, "bench", boom)
+    monkeypatch.setattr(bench_ui, "run_bench", boom)
     monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
     assert main(["bench", str(tiny_bf16), "--device", "cpu"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: internal error: RuntimeError: device fell over (FTCHAT_DEBUG=1 shows "
                    "the traceback)"]
     monkeypatch.setenv("FTCHAT_DEBUG", "1")  # control: the traceback on request
-    import pytest
-
     with pytest.raises(RuntimeError):
         main(["bench", str(tiny_bf16), "--device", "cpu"])
 
@@ -128,12 +126,11 @@ def test_audit_with_no_model_announces_the_demo(tiny_bf16, monkeypatch):
     assert "<function" not in res.stderr
 
 
-# ===== the end-of-prompt audit (issue 15, item 1) =====
+# ===== the end-of-prompt audit =====
 
 def _corrupt_after_the_last_step(monkeypatch, last_step: int, final_audit: bool = True):
     """Flip a byte of a held slot at the end of decode step `last_step` (after the periodic
     audit of that step, if any); with final_audit=False only audits run from end_step count."""
-    from ftchat.debug.audit import SlotAudit
 
     audit, end_step = SlotAudit.audit, SlotAudit.end_step
 
@@ -176,7 +173,7 @@ def test_without_the_final_audit_that_corruption_goes_unseen(tiny_nvfp4, monkeyp
     assert out["audits"] == 6 and out["bad_slots"] == 0
 
 
-# ===== verify --graph (issue 15): graph replay, prefetch off and on, against the eager arms =====
+# ===== verify --graph: graph replay, prefetch off and on, against the eager arms =====
 
 class EagerReplay:
     """DecodeGraph's stand-in on CPU, where CUDA graphs do not exist: the same step function on
@@ -188,8 +185,6 @@ class EagerReplay:
     fault = None
 
     def __init__(self, step, batch: int, device):
-        import torch
-
         self.step, self.calls, self.arm = step, 0, len(EagerReplay.built)
         self.tokens = torch.zeros(batch, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch, 1, dtype=torch.long, device=device)
@@ -198,8 +193,6 @@ class EagerReplay:
         EagerReplay.built.append(self)
 
     def __call__(self, tokens, lengths):
-        import torch
-
         self.calls += 1
         self.tokens.copy_(tokens)
         self.pos.copy_(torch.tensor(lengths, dtype=torch.long)[:, None])
@@ -212,10 +205,8 @@ class EagerReplay:
 @pytest.fixture
 def eager_replay(monkeypatch):
     """Let --graph run on the CPU with EagerReplay in place of the CUDA graph."""
-    import ftchat.commands.verify as commands
-    import ftchat.engine as engine
 
-    monkeypatch.setattr(commands, "GRAPH_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(verify_command, "GRAPH_DEVICES", ("cuda", "cpu"))
     monkeypatch.setattr(engine, "DecodeGraph", EagerReplay)
     monkeypatch.setattr(EagerReplay, "built", [])
     monkeypatch.setattr(EagerReplay, "fault", None)
@@ -223,7 +214,6 @@ def eager_replay(monkeypatch):
 
 
 def test_verify_graph_on_the_cpu_is_one_usage_line(capsys, monkeypatch, tmp_path):
-    from ftchat.cli import main
 
     monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
     # a model that does not exist: the refusal comes before anything loads
@@ -239,7 +229,6 @@ def test_verify_graph_on_the_cpu_is_one_usage_line(capsys, monkeypatch, tmp_path
 
 
 def test_verify_graph_needs_a_fixed_slot_count(capsys, monkeypatch, tiny_nvfp4, eager_replay):
-    from ftchat.cli import main
 
     assert main(["verify", str(tiny_nvfp4), "--graph", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -248,16 +237,15 @@ def test_verify_graph_needs_a_fixed_slot_count(capsys, monkeypatch, tiny_nvfp4, 
 
 def test_verify_graph_compares_hook_free_replay_with_the_eager_arms(tiny_nvfp4, eager_replay,
                                                                     monkeypatch):
-    import ftchat.commands.verify as commands
 
     built = []
-    real = commands.build_experts
+    real = verify_command.build_experts
 
     def spy(m, settings, hooks=None):
         built.append((settings.prefetch, hooks is None))
         return real(m, settings, hooks)
 
-    monkeypatch.setattr(commands, "build_experts", spy)
+    monkeypatch.setattr(verify_command, "build_experts", spy)
     res = _verify(tiny_nvfp4, "--graph")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""The load-time warm-up (issue 17): on CUDA, `ftchat run` makes the first reply's decoder (its
+"""The load-time warm-up: on CUDA, `ftchat run` makes the first reply's decoder (its
 graph capture compiles the decode kernels) and prefills a few tokens before the first prompt, so
 the first reply's prompt eval times the prefill alone. Here on the CPU: the warm-up leaves the
 session as cold as a fresh one (same tokens, same expert misses), and run calls it only where it
@@ -9,12 +9,13 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
+import time
 
 import torch
 
 from ftchat import engine
 from ftchat.cli import main
-from ftchat.session import Session
+from ftchat.session import WARM_UP_TOKENS, Session
 from ftchat.settings import Settings
 
 
@@ -27,10 +28,31 @@ def _reply(s: Session) -> tuple[list[int], float]:
 SETTINGS = Settings(max_new_tokens=8, slots=24)
 
 
+def test_warm_up_prefills_the_prompt_path_once_and_times_it(tiny_nvfp4, monkeypatch):
+    """warm_up makes the chat decoder and prefills WARM_UP_TOKENS <|im_end|> tokens into its row
+    0 through Decoder.prefill (the prompt path whose kernels the first reply runs); it returns
+    the seconds that took, within the wall time around the call."""
+    s = Session.open(tiny_nvfp4, SETTINGS)
+    calls, real = [], engine.Decoder.prefill
+
+    def spy(dec, row, ids, start, *args, **kwargs):
+        calls.append((dec, row, ids.tolist(), start))
+        return real(dec, row, ids, start, *args, **kwargs)
+
+    monkeypatch.setattr(engine.Decoder, "prefill", spy)
+    t0 = time.perf_counter()
+    took = s.warm_up()
+    wall = time.perf_counter() - t0
+    assert s._chat is not None and s.length == 0
+    assert calls == [(s._chat, 0, [s.im_end] * min(WARM_UP_TOKENS, s.max_len), 0)]
+    assert 0 < took <= wall
+
+
 def test_warm_up_leaves_a_cold_session(tiny_nvfp4):
     cold = _reply(Session.open(tiny_nvfp4, SETTINGS))
     s = Session.open(tiny_nvfp4, SETTINGS)
-    assert s.warm_up() >= 0 and s.length == 0 and s._chat is not None
+    s.warm_up()
+    assert s.length == 0 and s._chat is not None
     dec = s._chat
     assert _reply(s) == cold and s._chat is dec  # the warmed decoder serves the reply
     b = Session.open(tiny_nvfp4, SETTINGS)
@@ -40,23 +62,18 @@ def test_warm_up_leaves_a_cold_session(tiny_nvfp4):
     assert got == cold[0][: len(got)]
 
 
-def _tensors(state) -> list[torch.Tensor]:
-    return [*(t for d in state.kv.values() for t in d.values()), *state.conv.values(),
-            *state.recurrent.values(), *state.ple_conv.values(), state.ple_ctx]
-
-
 def test_warm_up_leaves_the_state_as_created(tiny_nvfp4, monkeypatch):
     s = Session.open(tiny_nvfp4, SETTINGS)
     s.warm_up()
     fresh = engine.Decoder(s.model, s.experts, 1, s.max_len).state
-    assert all(torch.equal(a, b) for a, b in zip(_tensors(s._chat.state), _tensors(fresh),
+    assert all(torch.equal(a, b) for a, b in zip(s._chat.state.tensors(), fresh.tensors(),
                                                 strict=True))
     # control: a warm-up without the reset leaves its prefill in the state
     s = Session.open(tiny_nvfp4, SETTINGS)
     monkeypatch.setattr(engine.Decoder, "reset", lambda self, experts=True: None)
     s.warm_up()
     monkeypatch.undo()
-    assert not all(torch.equal(a, b) for a, b in zip(_tensors(s._chat.state), _tensors(fresh)))
+    assert not all(torch.equal(a, b) for a, b in zip(s._chat.state.tensors(), fresh.tensors()))
 
 
 def test_who_warms_up(tiny_nvfp4):

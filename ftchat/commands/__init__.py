@@ -1,2 +1,3 @@
-"""The measuring commands above the engine: `verify` and `audit` (losslessness), `bench` (speed).
-They build their backends and debug hooks themselves and decode through engine.decode."""
+"""The measuring command `ftchat bench` (speed): bench.py runs the arms, bench_ui.py loads the
+model and prints the figures; load.py loads a model with its VRAM plan checked first (bench,
+and the debug commands `verify` and `audit` in ftchat/debug)."""

@@ -2,35 +2,26 @@
 
 Each arm (e.g. `off`, `on`, `on:budget=4`, `resident`, `off:eviction=lru`, `off:graph=0`,
 `resident:fused=0`) gets its own expert backend and decode state over the same loaded weights;
-every round runs every arm once. `fused=0` runs the torch decode path on CUDA (the before of a
-kernel's before/after); `pdl=0` launches the fused kernels without programmatic dependent launch;
-`rowloop=0` gives the NVFP4 decode kernels their tiled defaults from before the row-loop forms;
-`onerow=0` gives the routed experts' row-loop kernel 2 h rows a program at bs 1 (as at bs 2);
-`hc1=1` runs the HC read as one launch (a grid barrier between its parts; off by default);
-`fold=1` runs the shared expert's down GEMV inside the routed experts' kernel 1 (by default it
-has its own launch: the fold measured slower); `slotview=0` maps resident ids to slots with two
-torch kernels a layer again (by default the kernel reads a view of the layer's rows);
-`l2pf=16` lets the decode kernels ask L2 for up to 16 MiB of the next kernel's weights
-(ftchat/kernels/l2_prefetch.py; 0, the default, is off); `gdnearly=1` loads the GDN
-recurrence's state before its PDL wait; `qsagemv=1` runs the QSA fused projection through the
-Triton GEMV instead of cuBLAS; `plefused=1` runs the PLE layer's decode step in two kernels
-around its GEMVs (ftchat/kernels/ple_decode.py);
-`resident:skip=hc` (or `skip=hc+gemv`; ftchat/kernels/skip.py) leaves those kernel families out
-of the step: beside `resident`, the difference is their marginal cost (its tokens are not the
-model's);
-`off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8. After the
-rounds one more step of each arm is profiled: kernels per step and the device's busy time.
-Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at the
-context length over a zero KV cache: the figures are the step cost at that context, not model
-quality.
+every round runs every arm once. An arm is `resident`, `off`, `measure` or `on` (the prefetch
+mode; resident: every expert in VRAM), then `:key=value,...`:
+* kernel keys (any arm), its KernelConfig (ftchat/kernels/config.py; default: the settings'):
+  `fused=0|1` (0: the torch path on CUDA, the before of a kernel's before/after), `pdl=0|1`
+  (programmatic dependent launch of the fused kernels);
+* `skip=FAMILY[+FAMILY...]|all` (resident arms only; ftchat/kernels/skip.py): the step with
+  those kernel families left out (hc, gemv, nvfp4, routed, router, gdn, qsa); beside `resident`
+  the difference is their marginal cost (its tokens are not the model's);
+* settings keys (offload arms; the flags' names and checks): `budget`, `eviction`, `overlap`,
+  `graph`, `kv_cache_dtype`, ... (`off:kv_cache_dtype=fp8` stores that arm's K/V cache as FP8).
+After the rounds one more step of each arm is profiled: kernels per step and the device's busy
+time. Each arm decodes through engine.decode, the loop chat uses, from one token prefilled at
+the context length over a zero KV cache: the figures are the step cost at that context, not
+model quality.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,49 +29,40 @@ import torch
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
 from ftchat.errors import FtchatError
-from ftchat.kernels import (fused_kernels, gdn_early_state_kernels, hc_one_launch_kernels,
-                            l2_prefetch_kernels, one_row_kernels, pdl_kernels, ple_fused_kernels,
-                            qsa_proj_gemv_kernels, rowloop_kernels, shared_fold_kernels,
-                            slot_view_kernels, use_fused, use_one_row)
-from ftchat.kernels.skip import SKIP, parse_skip
+from ftchat.kernels.config import KernelConfig
+from ftchat.kernels.skip import Skip, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
-from ftchat.offload.backend import StagedExperts
+from ftchat.offload.backend import ResidentExperts, StagedExperts
 from ftchat.profile import profile_call
 from ftchat.settings import Settings, override
-from ftchat.vram_plan import budget_bytes, peak_report
+from ftchat.vram.workloads import budget_bytes, peak_report
 
 COUNTERS = ("misses", "prefetch_installs", "prefetch_useful")
 START_TOKEN = 7  # the prefilled token the arms decode from
 
 
+KERNEL_KEYS = ("fused", "pdl")  # an arm's KernelConfig switches, 1 or 0
+
+
 @dataclass(frozen=True)
 class ArmSpec:
     settings: Settings | None  # None: every expert resident
-    fused: bool = True  # the fused decode kernels (False: the torch path)
-    pdl: bool = True  # ... launched with programmatic dependent launch where the GPU has it
-    rowloop: bool = True  # the NVFP4 decode kernels' row-loop defaults (False: the tiled ones)
-    one_row: bool | None = None  # the routed experts' one-h-row bs-1 tile (None: the default)
-    skip: frozenset[str] = frozenset()  # kernel families left out (a timing diagnostic)
-    hc_one_launch: bool = False  # the HC read as one launch with a grid barrier
-    shared_fold: bool = False  # the shared down GEMV inside the routed kernel 1
-    slot_view: bool = True  # resident ids are slots of a view of the layer's rows
-    l2_prefetch: int = 0  # MiB of its next weights a kernel asks L2 for (0: none)
-    gdn_early_state: bool = False  # the GDN state loads before the PDL wait
-    qsa_proj_gemv: bool = False  # the QSA fused projection through the Triton GEMV
-    ple_fused: bool = False  # the PLE decode step in two kernels around its GEMVs
+    kernels: KernelConfig  # the arm's kernel configuration (fused=, pdl=, skip=)
 
 
-@contextmanager
-def arm_kernels(spec: ArmSpec) -> Iterator[None]:
-    """An arm's kernel switches around its capture, its rounds and its profiled step."""
-    one_row = use_one_row() if spec.one_row is None else spec.one_row
-    with (fused_kernels(spec.fused), pdl_kernels(spec.pdl), rowloop_kernels(spec.rowloop),
-          one_row_kernels(one_row), SKIP.set(spec.skip),
-          hc_one_launch_kernels(spec.hc_one_launch), shared_fold_kernels(spec.shared_fold),
-          slot_view_kernels(spec.slot_view), l2_prefetch_kernels(spec.l2_prefetch),
-          gdn_early_state_kernels(spec.gdn_early_state),
-          qsa_proj_gemv_kernels(spec.qsa_proj_gemv), ple_fused_kernels(spec.ple_fused)):
-        yield
+def arm_kernels(flags: dict[str, str], base: Settings) -> KernelConfig:
+    """The KernelConfig of an arm's kernel keys (popped from flags): the settings' by default,
+    each of fused= / pdl= 1 or 0, skip= families (a Skip of the arm's own)."""
+    if "kernels" in flags:  # the setting the flag --kernels sets: an arm spells it fused=
+        raise FtchatError("kernels= is spelled fused=1 (fused) or fused=0 (torch) in an arm")
+    kc = KernelConfig.from_settings(base)
+    switches = {k: flags.pop(k) for k in KERNEL_KEYS if k in flags}
+    for k, v in switches.items():
+        if v not in ("0", "1"):
+            raise FtchatError(f"{k}={v!r}: expected 1 or 0")
+    skip = flags.pop("skip", None)
+    return dataclasses.replace(kc, **{k: v == "1" for k, v in switches.items()},
+                               skip=None if skip is None else Skip(parse_skip(skip)))
 
 
 def parse_arm(spec: str, base: Settings) -> ArmSpec:
@@ -95,43 +77,22 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
         if not eq or not v.strip():
             raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
-    switches = {k: flags.pop(k, "1") for k in ("fused", "pdl", "rowloop", "slotview")}
-    switches["fold"] = flags.pop("fold", "0")
-    switches["gdnearly"] = flags.pop("gdnearly", "0")
-    switches["qsagemv"] = flags.pop("qsagemv", "0")
-    switches["plefused"] = flags.pop("plefused", "0")
-    l2pf = flags.pop("l2pf", "0")
-    if not (l2pf.isdigit() and int(l2pf) <= 1024):
-        raise FtchatError(f"bench arm {spec!r}: l2pf={l2pf!r}: expected MiB from 0 to 1024")
-    one_row = flags.pop("onerow", None)
-    hc1 = flags.pop("hc1", "0")
-    skip = flags.pop("skip", None)
-    if skip is not None and head != "resident":
+    if "skip" in flags and head != "resident":
         raise FtchatError(f"bench arm {spec!r}: skip= is for resident arms (the offload arms' "
                           "cache and prefetch would see kept outputs)")
-    for k, v in (*switches.items(), ("onerow", one_row or "0"), ("hc1", hc1)):
-        if v not in ("0", "1"):
-            raise FtchatError(f"bench arm {spec!r}: {k}={v!r}: expected 1 or 0")
+    try:
+        kernels = arm_kernels(flags, base)
+    except FtchatError as e:
+        raise FtchatError(f"bench arm {spec!r}: {e}") from None
     if head == "resident" and flags:
-        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl=, rowloop=, "
-                          "fold=, slotview=, onerow=, hc1=, gdnearly=, qsagemv=, plefused= (0 or "
-                          "1), l2pf= (MiB) and skip=")
+        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl= (1 or 0) and "
+                          "skip=")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
     except FtchatError as e:
         raise FtchatError(f"bench arm {spec!r}: {e}") from None
-    try:
-        skipped = frozenset() if skip is None else parse_skip(skip)
-    except FtchatError as e:
-        raise FtchatError(f"bench arm {spec!r}: {e}") from None
-    return ArmSpec(s, *(switches[k] == "1" for k in ("fused", "pdl", "rowloop")),
-                   one_row=None if one_row is None else one_row == "1", skip=skipped,
-                   hc_one_launch=hc1 == "1", shared_fold=switches["fold"] == "1",
-                   slot_view=switches["slotview"] == "1", l2_prefetch=int(l2pf),
-                   gdn_early_state=switches["gdnearly"] == "1",
-                   qsa_proj_gemv=switches["qsagemv"] == "1",
-                   ple_fused=switches["plefused"] == "1")
+    return ArmSpec(s, kernels)
 
 
 def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
@@ -159,20 +120,24 @@ class Arm:
 
 
 def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
-             max_len: int, resident: ExpertBackend | None) -> Arm:
-    """An arm's backend and decode iterator; resident arms share `resident` (it holds no
-    state, and the real model's rows fill most of the GPU once)."""
-    s = spec.settings
-    if spec.skip and not use_fused(torch.empty(0, device=m.device)):
+             max_len: int, resident: ResidentExperts | None) -> Arm:
+    """An arm's backend and decode iterator over a view of the weights that holds the arm's
+    kernel configuration; resident arms share `resident`'s rows (the real model's fill most of
+    the GPU once)."""
+    s, kc = spec.settings, spec.kernels
+    if kc.skip is not None and not kc.runs_fused(torch.empty(0, device=m.device)):
         raise FtchatError(f"bench arm {name!r}: skip= leaves out fused CUDA kernels, and on "
                           f"{m.device} the decode step runs none")
     before, t = _allocated(m), time.perf_counter()
-    ex = resident if s is None else build_experts(m, s)
-    with arm_kernels(spec):  # a captured graph keeps the choice
-        cfg = base if s is None else s
-        dec = Decoder(m, ex, 1, max_len, graph=cfg.use_graph(), kv_dtype=cfg.kv_torch_dtype())
-        steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
-        next(steps)  # the prefill of the start token
+    am = dataclasses.replace(m, weights=m.weights.with_kernels(kc))
+    if s is None:
+        ex = ResidentExperts(resident.rows, resident.layout, resident.num_experts, kc)
+    else:
+        ex = build_experts(am, s)
+    cfg = base if s is None else s
+    dec = Decoder(am, ex, 1, max_len, graph=cfg.use_graph(), kv_dtype=cfg.kv_torch_dtype())
+    steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
+    next(steps)  # the prefill of the start token
     _sync(m.device)
     return Arm(name, m.device, spec, ex, steps, _allocated(m) - before,
                time.perf_counter() - t)
@@ -183,9 +148,8 @@ def run_round(arm: Arm, steps: int) -> None:
     before = arm.experts.stats()
     _sync(arm.device)
     t = time.perf_counter()
-    with arm_kernels(arm.spec):
-        for _ in range(steps):
-            next(arm.steps)
+    for _ in range(steps):
+        next(arm.steps)
     _sync(arm.device)
     arm.times.append(time.perf_counter() - t)
     after = arm.experts.stats()
@@ -215,8 +179,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     L = m.args.num_hidden_layers
     out = {}
     for a in built:
-        with arm_kernels(a.spec):
-            prof = profile_call(lambda: next(a.steps), m.device)  # None off CUDA
+        prof = profile_call(lambda: next(a.steps), m.device)  # None off CUDA
         c, total = a.counts, a.experts.stats()
         out[a.name] = {
             "tok_s": a.tokens / sum(a.times), "round_tok_s": [steps / t for t in a.times],

@@ -1,67 +1,13 @@
-"""Debug modes: the verifier, the slot audit, the routing recorder, and how the settings turn
-them on. The engine never imports this package: whoever builds a backend passes these hooks in."""
+"""Debug: the watchers that check the offload backend (verifier, slot audit, routing recorder)
+and the commands that run them (`ftchat verify`, `ftchat audit`).
 
-from __future__ import annotations
+watchers.py        the watchers the settings turn on, chained (`hooks_for`, `HookChain`)
+verifier.py        --verify: slot maps, in-flight copies and bytes checked at every kernel
+slot_audit.py      --audit-every: the whole slot cache byte-checked every N steps
+routing_record.py  --record-routing: routed ids and lookahead candidates, one JSON line a step
+record_buffer.py   the device-side buffer the verifier appends its findings to
+verify_command.py  `ftchat verify`: prefetch on vs off over cold prompts
+audit_command.py   `ftchat audit`: a decode run with the slot audit on
 
-
-from ftchat.offload.hooks import Hooks
-from ftchat.settings import Settings
-
-
-class HookChain(Hooks):
-    """Several hooks in order (e.g. verifier and audit together)."""
-
-    def __init__(self, hooks: list[Hooks]):
-        self.hooks = hooks
-        writers = [h.on_map_write for h in hooks if h.on_map_write is not None]
-        self.on_map_write = (lambda name: [w(name) for w in writers]) if writers else None
-        self.reads_candidates = any(h.reads_candidates for h in hooks)
-
-    def before_copy(self, *a) -> None:
-        for h in self.hooks:
-            h.before_copy(*a)
-
-    def after_copy(self, *a) -> None:
-        for h in self.hooks:
-            h.after_copy(*a)
-
-    def before_kernel(self, *a) -> None:
-        for h in self.hooks:
-            h.before_kernel(*a)
-
-    def after_kernel(self, *a) -> None:
-        for h in self.hooks:
-            h.after_kernel(*a)
-
-    def end_step(self, *a) -> None:
-        for h in self.hooks:
-            h.end_step(*a)
-
-    def figures(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for h in self.hooks:
-            out.update(h.figures())
-        return out
-
-    def close(self) -> None:
-        for h in self.hooks:
-            h.close()
-
-
-def hooks_for(settings: Settings, num_layers: int, num_slots: int, device) -> Hooks | None:
-    """The verifier, slot audit and routing recorder the settings ask for (None: all off)."""
-    from ftchat.debug.audit import SlotAudit
-    from ftchat.debug.routing import RoutingRecorder
-    from ftchat.debug.verify import Verifier
-
-    hooks: list[Hooks] = []
-    if settings.verify:
-        hooks.append(Verifier(settings.verify, num_layers, device))
-    if settings.audit_every:
-        hooks.append(SlotAudit(settings.audit_every, num_slots, device))
-    if settings.record_routing:
-        hooks.append(RoutingRecorder(settings.record_routing, num_layers))
-    return None if not hooks else hooks[0] if len(hooks) == 1 else HookChain(hooks)
-
-
-__all__ = ["HookChain", "hooks_for"]
+The engine never imports this package: whoever builds a backend passes the watchers in.
+"""

@@ -1,6 +1,7 @@
 """Gated DeltaNet decode step (T == 1) after the fused input projection, as one Triton kernel.
 
-Algorithm (ARCH.md section 6.1), per sequence b and value head h (key head hk = h // (Hv/Hk)):
+Algorithm (docs/model.md section 6.1), per sequence b and value head h (key head
+hk = h // (Hv/Hk)):
   conv:   window = [conv_state | u] per channel; c = silu(sum_j Wc[:, j] * window[:, j]), the sum
           rounded to the model dtype, silu in fp32, rounded again; conv_state <- window[:, 1:]
   q, k:   the key head's 2 x dk channels of c, fp32: q^ = q rsqrt(|q|^2 + 1e-6) / sqrt(dk),
@@ -32,9 +33,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import (GDN_EARLY_STATE, HAS_TRITON, jit as _jit, pdl_launch, tl,  # noqa: F401
-                            triton)
-from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
@@ -83,7 +83,7 @@ def _shift_store(conv, ch, win, KC: tl.constexpr, KCP: tl.constexpr):
 
 @_jit
 def _l2norm(x):
-    # eps fixed at 1e-6 (ARCH.md section 2), not rms_norm_eps
+    # eps fixed at 1e-6 (docs/model.md section 2), not rms_norm_eps
     return x * tl.rsqrt(tl.sum(x * x, axis=0) + 1e-6)
 
 
@@ -95,26 +95,17 @@ def _gdn_decode_kernel(proj_ptr, conv_ptr, wc_ptr, s_ptr, alog_ptr, dtb_ptr, nw_
                        cnt_ptr, CONV_SB, S_SB, EPS,
                        HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                        KC: tl.constexpr, KCP: tl.constexpr, BV: tl.constexpr,
-                       SIGMOID_GATE: tl.constexpr, pf_ptr, pf_bytes, L2PF: tl.constexpr,
-                       EARLY: tl.constexpr, PDL: tl.constexpr):
+                       SIGMOID_GATE: tl.constexpr, PDL: tl.constexpr):
     pdl_release(PDL)
     # proj [B, N] model dtype; conv [B, C, KC-1] (batch stride CONV_SB) and S [B, HV, DK, DV] fp32
     # (batch stride S_SB) in place; wc [C, KC]; A_log, dt_bias [HV]; norm w [DV]; out [B, HV*DV];
-    # cnt [B, HK + HV] int32 zeros (left zero). L2PF: first ask L2 for pf_bytes at pf_ptr
-    # (out_proj's weight, read next: l2_prefetch.py). EARLY: the state slice loads before the
-    # PDL wait, overlapping the projection GEMV. Safe while no kernel of the step before this
-    # one writes S: its writers are this kernel one step earlier and the prefill / reset,
-    # and a step ends with plain launches (lm_head, sampling) that finish everything before
-    # the next step starts. Several steps captured in one graph of PDL kernels alone would
-    # break that
+    # cnt [B, HK + HV] int32 zeros (left zero)
     NJ: tl.constexpr = DV // BV
     REP: tl.constexpr = HV // HK
     C: tl.constexpr = 2 * HK * DK + HV * DV
     N: tl.constexpr = C + HV * DV + 2 * HV
     pid = tl.program_id(0)
     j = tl.program_id(1)
-    prefetch_l2(pf_ptr, pf_bytes, j * tl.num_programs(0) + pid,
-                tl.num_programs(0) * tl.num_programs(1), L2PF)
     b = pid // HV
     h = pid % HV
     hk = h // REP
@@ -123,11 +114,8 @@ def _gdn_decode_kernel(proj_ptr, conv_ptr, wc_ptr, s_ptr, alog_ptr, dtb_ptr, nw_
     dk = tl.arange(0, DK)
     vs = j * BV + tl.arange(0, BV)  # this program's dv columns
     s_ptrs = s_ptr + b.to(tl.int64) * S_SB + h * DK * DV + dk[:, None] * DV + vs[None, :]
-    if EARLY:
-        S0 = tl.load(s_ptrs)
     pdl_wait(PDL)
-    if not EARLY:
-        S0 = tl.load(s_ptrs)
+    S0 = tl.load(s_ptrs)
 
     # conv + silu: the key head's q and k (whole head: the l2norm needs it), this v slice
     q_ch = hk * DK + dk
@@ -198,8 +186,8 @@ def default_block_v(B: int, Hv: int, dv: int) -> int:
 @family("gdn")
 def gdn_decode_step(proj: Tensor, conv_state: Tensor, S: Tensor, conv_w: Tensor, A_log: Tensor,
                     dt_bias: Tensor, norm_w: Tensor, dims: tuple[int, int, int, int], eps: float,
-                    gate: str, block_v: int | None = None, num_warps: int | None = None,
-                    prefetch: Tensor | None = None) -> Tensor:
+                    gate: str, block_v: int | None = None, num_warps: int | None = None, *,
+                    kc: KernelConfig = DEFAULT) -> Tensor:
     """The GDN decode step after the input projections; see the module docstring.
 
     Args:
@@ -211,9 +199,7 @@ def gdn_decode_step(proj: Tensor, conv_state: Tensor, S: Tensor, conv_w: Tensor,
         gate: 'sigmoid', anything else silu (as layers.gated_rms_norm).
         block_v: dv columns per program (a power of two dividing dv); None: default_block_v.
         num_warps: None: one warp per 1024 state elements of the program, 4 to 16 (no spills).
-        prefetch: the next kernel's weight (out_proj), asked of L2 first where
-            `kernels.L2_PREFETCH` is on (l2_prefetch.py). `kernels.GDN_EARLY_STATE` on: the
-            state loads before the PDL wait.
+        kc: the kernel configuration (its PDL choice).
     Returns:
         [B, Hv*dv] in proj's dtype: the gated-norm output, ready for out_proj.
     """
@@ -234,6 +220,5 @@ def gdn_decode_step(proj: Tensor, conv_state: Tensor, S: Tensor, conv_w: Tensor,
         proj.contiguous(), conv_state, conv_w.reshape(C, Kc).contiguous(), S, A_log, dt_bias,
         norm_w, out, cnt, conv_state.stride(0), S.stride(0), float(eps),
         HK=Hk, HV=Hv, DK=dk, DV=dv, KC=Kc, KCP=triton.next_power_of_2(Kc), BV=bv,
-        SIGMOID_GATE=gate == "sigmoid", num_warps=num_warps, **l2_target(prefetch, proj),
-        EARLY=bool(GDN_EARLY_STATE.value), **pdl_launch(proj))
+        SIGMOID_GATE=gate == "sigmoid", num_warps=num_warps, **pdl_launch(proj, kc.pdl))
     return out

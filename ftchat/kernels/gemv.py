@@ -25,16 +25,10 @@ cuBLAS already streams ~3.5 TB/s) and at bs 8 on the large shapes.
 Gated input (`linear_gated_triton`, the shared expert's down GEMV): x is h = silu(g) * u of two
 column ranges of one buffer (the fused MoE GEMV's output [g | u | gate logit | router], rows
 strided); each program computes its chunk of h where it would load x, with the roundings of
-expert_kernels.shared_act_triton (`_silu_mul`), so the output equals that kernel then this one bit
+shared_down.shared_act_triton (`_silu_mul`), so the output equals that kernel then this one bit
 for bit and the activation's launch (and h's round trip through memory) is gone. Every program
 recomputes its chunk for its rows: at [2560, 640] the 640 programs of one 1024-column chunk each
 evaluate the 640 silus of a row (~1.6k more instructions a program at 2 rows, sm_90 SASS).
-Router top-k in the launch (`linear_topk_triton`, the fused MoE GEMV whose last E columns are
-the router's logits): the last program to finish a block of router columns (a second counter,
-slot nb of the buffer) runs router.py's keyed top-k on every row, reading the logits through L2.
-Deterministic and graph-safe as the split-K hand-off; ids are the standalone kernel's, weights
-may differ from it by an fp32 ulp of the softmax sum (`_route_after`). Off in the model by
-default (qwen4_exp.ROUTE_IN_GEMV).
 
 Determinism: every program's partial is a fixed computation and the split sum has a fixed order
 whichever program arrives last, so results are bit-identical run to run and a CUDA-graph replay
@@ -64,11 +58,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.hyper import _rnd, _rows_block, _step
-from ftchat.kernels.l2_prefetch import (Rows, prefetch_l2, prefetch_rows, rows_args,
-                                        target as l2_target)
-from ftchat.kernels.router import _topk_row
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
@@ -126,7 +118,7 @@ def launch_plan(K: int, tiles: GemvTiles) -> tuple[int, int]:
 
 @_jit
 def _silu_mul(g, u, BF16: tl.constexpr):
-    # h = silu(g) * u from fp32 g, u with the roundings of expert_kernels._shared_act_kernel
+    # h = silu(g) * u from fp32 g, u with the roundings of shared_down._shared_act_kernel
     # (the same expressions: torch's formula, IEEE division; the silu and the product each
     # rounded to the model dtype), so the gated GEMV's inputs are that kernel's h bit for bit
     act = _rnd(tl.div_rn(g, 1.0 + tl.exp(-g)), BF16)
@@ -157,29 +149,18 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
                  K: tl.constexpr, KS: tl.constexpr, SPLIT: tl.constexpr, RB: tl.constexpr,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BF16: tl.constexpr,
                  X_SR: tl.constexpr, GATED: tl.constexpr, U_OFF: tl.constexpr,
-                 lg_ptr, L_SR, ids_ptr, tw_ptr, TOPK: tl.constexpr, R0: tl.constexpr,
-                 TE: tl.constexpr, TKP: tl.constexpr, TBE: tl.constexpr, TNORM: tl.constexpr,
-                 pf_ptr, pf_bytes, L2PF: tl.constexpr, pr_bank, pr_slots, pr_row, pr_off,
-                 pr_bytes, PR_N: tl.constexpr, L2ROWS: tl.constexpr, PDL: tl.constexpr):
+                 PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT); x [rows, K] (row stride X_SR), w [N, K] -> out [rows, N]
     (x's dtype). GATED: the input is h = silu(g) * u, g = x[:, :K], u = x[:, U_OFF:U_OFF + K]
     (`_silu_mul`), computed where x would be loaded (each program for its own chunk).
-    TOPK > 0: out's last TE columns (from R0 = N - TE; lg_ptr = out + R0, row stride L_SR = N)
-    are router logits; once they are all stored the router's top-TOPK of every row is written
-    to ids [rows, TOPK] (int64) and tw [rows, TOPK] (`_route_after`).
     Program (p, s): acc[n, b] = sum over k in [s*KS, min(s*KS + KS, K)) of w[n, k] x[b, k] in
     fp32, chunk by chunk (one [BLOCK_N, BLOCK_K] weight load each, reused for every row; acc is
     kept [BLOCK_N, RB] so a row's dot product lands in it without a layout change). SPLIT 1:
     out = round(acc). Else acc -> part[s] (fp32 [SPLIT, rows, N]); the last program of block p
     to arrive (counter cnt[p], left 0) stores round(part[0] + part[1] + ... + part[SPLIT-1]).
-    L2PF: the programs first ask L2 for pf_bytes at pf_ptr (the next kernel's weight). L2ROWS:
-    after the wait, for pr_bytes from pr_off of the PR_N bank rows at pr_slots (the routed
-    experts' rows the next kernel reads; l2_prefetch.prefetch_rows).
     """
     pdl_release(PDL)
     p, s = tl.program_id(0), tl.program_id(1)
-    prefetch_l2(pf_ptr, pf_bytes, s * tl.num_programs(0) + p,
-                tl.num_programs(0) * tl.num_programs(1), L2PF)
     n = p * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
     n_ok = n < N
     kk = tl.arange(0, BLOCK_K)
@@ -192,8 +173,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
     w = tl.load(w_ptr + nn * K + k[None, :], mask=n_ok[:, None] & (k < k_end)[None, :],
                 other=0.0)  # [BLOCK_N, BLOCK_K], all of it in flight at once
     pdl_wait(PDL)
-    prefetch_rows(pr_bank, pr_slots, pr_row, pr_off, pr_bytes, s * tl.num_programs(0) + p, PR_N,
-                  L2ROWS)
     acc = _chunk_dot(w, x_ptr, k, k_end, rows, bb, tl.zeros([BLOCK_N, RB], dtype=tl.float32),
                      X_SR, RB, GATED, U_OFF, BF16)
     for kb in range(k0 + BLOCK_K, k_end, BLOCK_K):
@@ -204,9 +183,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
     ok = (bb < rows) & (nn < N)
     if SPLIT == 1:
         tl.store(out_ptr + bb * N + nn, _rnd(acc, BF16).to(out_ptr.dtype.element_ty), mask=ok)
-        if TOPK > 0:
-            _route_after(p, cnt_ptr, lg_ptr, L_SR, ids_ptr, tw_ptr, rows, N, BLOCK_N, R0, TE,
-                         TOPK, TKP, TBE, TNORM, BF16)
     else:
         tl.store(part_ptr + (s * rows + bb) * N + nn, acc, mask=ok)
         cnt = cnt_ptr + p
@@ -218,32 +194,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, part_ptr, cnt_ptr, rows, N: tl.constexpr
             tl.store(out_ptr + bb * N + nn, _rnd(tot, BF16).to(out_ptr.dtype.element_ty),
                      mask=ok)
             tl.store(cnt, 0)
-            if TOPK > 0:
-                _route_after(p, cnt_ptr, lg_ptr, L_SR, ids_ptr, tw_ptr, rows, N, BLOCK_N, R0,
-                             TE, TOPK, TKP, TBE, TNORM, BF16)
-
-
-@_jit
-def _route_after(p, cnt_ptr, lg_ptr, L_SR, ids_ptr, tw_ptr, rows, N: tl.constexpr,
-                 BLOCK_N: tl.constexpr, R0: tl.constexpr, E: tl.constexpr, K: tl.constexpr,
-                 KP: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                 BF16: tl.constexpr):
-    # block p of out is final (stored by this program). The blocks holding router columns (R0
-    # to N - 1: the tail, blocks R0 // BLOCK_N on) count themselves on cnt[NB] (NB = the block
-    # count, past the split counters); the last to arrive runs the router's top-k on every row
-    # (router._topk_row, reading the others' logits through L2) and leaves the counter 0.
-    # Ids: the standalone kernel's (the picks are order-free). Weights: its code, but the [E]
-    # vector's layout, hence the fp32 sum's order, is the compiler's choice here (sm_90 TTGIR
-    # at flash-next: 8 elements a thread, taken from the GEMV's x loads, vs 1 in the
-    # standalone kernel on proj's unaligned columns), so total may differ by an fp32 ulp
-    NB: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
-    if (p + 1) * BLOCK_N > R0:
-        cnt = cnt_ptr + NB
-        if _last_to_arrive(cnt, NB - R0 // BLOCK_N):
-            for b in range(rows):
-                _topk_row(lg_ptr + b * L_SR, ids_ptr + b * K, tw_ptr + b * K, E, K, KP, BLOCK_E,
-                          NORM, BF16, True)
-            tl.store(cnt, 0)
 
 
 # ===== wrappers =====
@@ -253,71 +203,40 @@ def _pow2(v: int) -> bool:
 
 
 @family("gemv")
-def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None,
-                  prefetch: Tensor | None = None) -> Tensor:
+def linear_triton(x: Tensor, w: Tensor, tiles: GemvTiles | None = None, *,
+                  kc: KernelConfig = DEFAULT) -> Tensor:
     """F.linear(x, w) = x @ w.T for x [..., K] (rows = x.numel() / K <= GEMV_MAX_ROWS) and w
     [N, K] contiguous, both bf16 or both fp32; returns [..., N] in x's dtype (fp32 accumulation,
     rounded once). One launch (split-K reduces in the same kernel); no host sync.
-    w must be a weight, written by no kernel still in flight: with PDL its first tile is read
-    before the previous kernel has finished. prefetch: the next kernel's weight, asked of L2
-    while this one runs where `kernels.L2_PREFETCH` is on (l2_prefetch.py).
+    w must be a weight, written by no kernel still in flight: with PDL (kc.pdl) its first tile
+    is read before the previous kernel has finished.
     """
     K = w.shape[1]
     assert x.shape[-1] == K, "w must be [N, K], x [..., K]"
-    return _launch(x.reshape(-1, K).contiguous(), x.shape[:-1], w, tiles, gated=False,
-                   prefetch=prefetch)[0]
+    return _launch(x.reshape(-1, K).contiguous(), x.shape[:-1], w, tiles, False, kc.pdl)
 
 
 @family("gemv")
-def linear_gated_triton(gu: Tensor, w: Tensor, tiles: GemvTiles | None = None,
-                        prefetch_rows: Rows | None = None) -> Tensor:
+def linear_gated_triton(gu: Tensor, w: Tensor, tiles: GemvTiles | None = None, *,
+                        kc: KernelConfig = DEFAULT) -> Tensor:
     """F.linear(silu(g) * u, w) for g = gu[..., :K], u = gu[..., K:2K] (K = w.shape[1]; gu [...,
     >= 2K], rows may be strided: the shared expert's fused GEMV output [gate | up | ...]), with
     the roundings of `shared_act_triton` then `linear_triton` (silu and product rounded to the
     model dtype, fp32 accumulation, one rounding): bit-identical to that pair with the same
     tiles, in one launch. Each program computes h for its own chunk of K (cheap at the shared
-    down's K = 640), so h never goes through memory. Otherwise as `linear_triton`; its programs
-    ask L2 for prefetch_rows (the routed experts' rows read next) where kernels.L2_PREFETCH is
-    on."""
+    down's K = 640), so h never goes through memory. Otherwise as `linear_triton`."""
     K = w.shape[1]
     assert gu.shape[-1] >= 2 * K, f"gu [..., >= 2K], K = {K}: not {tuple(gu.shape)}"
     gu2 = gu.reshape(-1, gu.shape[-1])
     if gu2.stride(-1) != 1:
         gu2 = gu2.contiguous()
-    return _launch(gu2, gu.shape[:-1], w, tiles, gated=True,
-                   prefetch_rows=prefetch_rows)[0]
-
-
-@family("gemv")
-def linear_topk_triton(x: Tensor, w: Tensor, experts: int, k: int, norm_topk_prob: bool,
-                       tiles: GemvTiles | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """(y, ids, weights): y = F.linear(x, w) as `linear_triton` (the same bits), whose last
-    `experts` columns are router logits (the fused MoE GEMV: [gate | up | gate logit | router]),
-    and the router's ids [..., k] int64 and weights [..., k] on them from the same launch: the
-    last program to finish a block of router columns runs router.router_topk_triton's code
-    (`_route_after`), so the router's own launch is gone. Ids: the standalone kernel's, bit
-    for bit. Weights: its math, but the softmax sum over E may run in another order (the
-    compiler lays the [E] vector out after the GEMV's loads), so they may differ from it by an
-    fp32 ulp of that sum (bf16: at most one ulp, where the fp32 value sits at a rounding
-    boundary; equal in the interpreter). Deterministic (the top-k reads the final logits,
-    whichever program runs it; a fixed layout) and graph-safe (its counter is left 0).
-    One-warp tiles only (the top-k's reductions stay in-warp); the rows run one after another
-    in one program: for bs 1-2."""
-    K = w.shape[1]
-    assert x.shape[-1] == K, "w must be [N, K], x [..., K]"
-    assert 0 < k <= experts <= w.shape[0]
-    lead = x.shape[:-1]
-    y, ids, tw = _launch(x.reshape(-1, K).contiguous(), lead, w, tiles, gated=False,
-                         route=(experts, k, norm_topk_prob))
-    return y, ids.view(*lead, k), tw.view(*lead, k)
+    return _launch(gu2, gu.shape[:-1], w, tiles, True, kc.pdl)
 
 
 def _launch(x2: Tensor, lead: torch.Size, w: Tensor, tiles: GemvTiles | None, gated: bool,
-            route: tuple[int, int, bool] | None = None, prefetch: Tensor | None = None,
-            prefetch_rows: Rows | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    # x2 [rows, >= K] (unit column stride; gated: [g | u | ...] with >= 2K columns) -> (y
-    # [*lead, N], ids [rows, k], weights [rows, k]); route (experts E, k, norm): the top-k of
-    # y's last E columns too (else ids, weights are y)
+            pdl: bool) -> Tensor:
+    # x2 [rows, >= K] (unit column stride; gated: [g | u | ...] with >= 2K columns) -> y
+    # [*lead, N]
     N, K = w.shape
     assert w.is_contiguous(), "w must be [N, K] contiguous"
     assert x2.dtype == w.dtype and x2.dtype in (torch.bfloat16, torch.float32), \
@@ -331,46 +250,33 @@ def _launch(x2: Tensor, lead: torch.Size, w: Tensor, tiles: GemvTiles | None, ga
     nk = triton.cdiv(K, bk)
     nb = triton.cdiv(N, t.block_n)
     out = torch.empty(rows, N, dtype=x2.dtype, device=x2.device)
-    part = cnt = ids = tw = lg = out  # unused unless split-K / routing
+    part = cnt = out  # unused unless split-K
     if split > 1:
         part = torch.empty(split, rows, N, dtype=torch.float32, device=x2.device)
-    if split > 1 or route:  # the GEMVs' own buffer; routing counts in slot nb
-        cnt = counters(x2.device, nb + (1 if route else 0), "gemv")
-    E, k, norm = route or (0, 0, False)
-    if route:
-        assert t.warps == 1, "the fused top-k runs in one-warp programs (its sums' order)"
-        assert E <= (65536 if x2.dtype == torch.bfloat16 else 2**31 - 1), "the keys' index bits"
-        ids = torch.empty(rows, k, dtype=torch.int64, device=x2.device)
-        tw = torch.empty(rows, k, dtype=x2.dtype, device=x2.device)
-        lg = out[:, N - E:]  # the router logits, as the standalone kernel is given them
-    bf16 = x2.dtype == torch.bfloat16
+        cnt = counters(x2.device, nb, "gemv")  # the GEMVs' own buffer
     _gemv_kernel[(nb, split)](
         x2, w, out, part, cnt, rows, N=N, K=K, KS=triton.cdiv(nk, split) * bk, SPLIT=split,
-        RB=_rows_block(rows), BLOCK_N=t.block_n, BLOCK_K=bk, BF16=bf16,
+        RB=_rows_block(rows), BLOCK_N=t.block_n, BLOCK_K=bk, BF16=x2.dtype == torch.bfloat16,
         X_SR=x2.stride(0) if rows > 1 else K, GATED=gated, U_OFF=K if gated else 0,
-        lg_ptr=lg, L_SR=N, ids_ptr=ids, tw_ptr=tw, TOPK=k, R0=N - E, TE=E,
-        TKP=max(2, triton.next_power_of_2(k)), TBE=triton.next_power_of_2(max(E, 1)),
-        TNORM=norm, num_warps=t.warps, **l2_target(prefetch, x2), **rows_args(prefetch_rows, x2),
-        **pdl_launch(x2))
-    return out.view(*lead, N), ids, tw
+        num_warps=t.warps, **pdl_launch(x2, pdl))
+    return out.view(*lead, N)
 
 
-def dispatches(x: Tensor, w: Tensor) -> bool:
+def dispatches(x: Tensor, w: Tensor, kc: KernelConfig = DEFAULT) -> bool:
     """Whether `linear(x, w)` takes the kernel: fused kernels on for x's device, bf16 / fp32 x of
     w's dtype, rows <= DISPATCH_MAX_ROWS, w 2-D contiguous (x may be a strided view)."""
-    return (use_fused(x) and x.dtype in (torch.bfloat16, torch.float32) and w.dtype == x.dtype
+    return (kc.runs_fused(x) and x.dtype in (torch.bfloat16, torch.float32) and w.dtype == x.dtype
             and w.dim() == 2 and w.is_contiguous() and w.is_cuda and 0 < w.numel() < 2**31
             and x.dim() >= 1 and x.shape[-1] == w.shape[1]
             and 1 <= x.numel() // w.shape[1] <= DISPATCH_MAX_ROWS)
 
 
-def linear(x: Tensor, w: Tensor, prefetch: Tensor | None = None) -> Tensor:
+def linear(x: Tensor, w: Tensor, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """F.linear(x, w), through `linear_triton` where it applies (`dispatches`); F.linear
     otherwise. The model calls it for the shapes the kernel measured faster at bs 1-2 (o_proj /
     out_proj [2560, 6144], the shared expert's [1281, 2560] and [2560, 640]); cuBLAS keeps the
     larger projections, where it measured faster (benchmarks/bench_gemv.py,
-    docs/performance.md). prefetch: the next kernel's weight (`linear_triton`; F.linear
-    ignores it)."""
-    if dispatches(x, w):
-        return linear_triton(x, w, prefetch=prefetch)
+    docs/performance.md)."""
+    if dispatches(x, w, kc):
+        return linear_triton(x, w, kc=kc)
     return F.linear(x, w)

@@ -1,10 +1,7 @@
 """Hyper-connection read (mix) and write for decode in two Triton kernels (one for a write alone).
 
-(Or in one launch, `HC_ONE_LAUNCH`: the same two parts' tiles in one grid with a barrier between
-them, `_read_one_launch_kernel`; off by default until measured.)
-
-The read (ARCH.md section 3.1) of R [rows, hc*D], optionally after the previous block's pending
-write R' = R + s_prev * y (the "write fold": it costs no kernel of its own), split-K:
+The read (docs/model.md section 3.1) of R [rows, hc*D], optionally after the previous block's
+pending write R' = R + s_prev * y (the "write fold": it costs no kernel of its own), split-K:
   kernel 1, grid (cdiv(NOUT, BLOCK_N), hc * chunks): program (p, k) loads one [BLOCK_N, BLOCK_K]
     tile of [W_down; W_inj] (NOUT = lowrank + hc rows, read from the two weight tensors; no
     concatenated copy) for chunk k of one stream, and per row stores the chunk's sum of R'^2 and
@@ -16,9 +13,10 @@ write R' = R + s_prev * y (the "write fold": it costs no kernel of its own), spl
     recomputes R' and Rn for those columns, x = mean_i sigmoid(u_i) * Rn_i; stores x and R' (its
     columns: the programs cover R' once).
 Every program of kernel 1 issues its whole tile load at once (16 KB at the default tiles) and 492
-of them run at the real geometry. Session 6's kernel 1 (split by stream only, each program first
-summing its stream's statistic, then looping over its columns) took 22.1 us for a write + read at
-bs 1 against 15.8 us for this pair (H200, one process: docs/performance.md, session 7).
+of them run at the real geometry. A kernel 1 split by stream only (each program first summing its
+stream's statistic, then looping over its columns) took 22.1 us for a write + read at bs 1
+against 15.8 us for this pair (H200, one process: docs/performance.md).
+(One launch with a grid barrier between the two parts measured 11 us a layer slower at 48 layers.)
 
 Numerics against the torch reference (`hc_read_ref` / `hc_write_ref` in ftchat/model/qwen4_exp.py):
 every value torch rounds to the model dtype (R', each GEMV output, d / hc, silu, sigmoid, each
@@ -40,12 +38,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ftchat.kernels import (HAS_TRITON, HC_ONE_LAUNCH, INTERPRET, jit as _jit,  # noqa: F401
-                            pdl_launch, tl, triton)
-from ftchat.kernels.l2_prefetch import prefetch_l2, target as l2_target
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.skip import family
-from ftchat.kernels.sync import (co_resident, counters, grid_barrier,
-                                 last_to_arrive as _last_to_arrive, pdl_release, pdl_wait)
+from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
 HC_MAX_ROWS = 8  # decode batches: the kernels loop over rows, reusing each weight tile
 
@@ -64,12 +60,11 @@ class HcTiles:
 
 
 def default_tiles(rows: int) -> HcTiles:
-    # the H200 sweep's best at bs 1 and 2 (benchmarks/bench_hyper_router.py --bs 1,2 --sweep,
-    # session 8, docs/bench_hyper_router_s8.json): kernel 1 takes 8 output rows x 1024-column
-    # chunks (41 x 12 = 492 programs at D=2560, L=320, 3 chunks a stream, the last one half
-    # masked; a 16 KB tile load each, 4 warps),
+    # the H200 sweep's best at bs 1 and 2 (benchmarks/bench_hyper_router.py --bs 1,2 --sweep):
+    # kernel 1 takes 8 output rows x 1024-column chunks (41 x 12 = 492 programs at D=2560,
+    # L=320, 3 chunks a stream, the last one half masked; a 16 KB tile load each, 4 warps),
     # kernel 2 4 columns x 64 low-rank steps (640 programs); rows loop inside, reusing the tile.
-    # A write + read: 15.3 -> 13.1 us at bs 1, 24.9 -> 17.6 us at bs 2 (the session 7 tiles,
+    # A write + read: 15.3 -> 13.1 us at bs 1, 24.9 -> 17.6 us at bs 2 (against tiles of
     # 16 x 512 and 4 x 512, same process)
     del rows
     return HcTiles(down_rows=8, down_k=1024, down_warps=4, up_cols=4, up_k=64, up_warps=4)
@@ -179,7 +174,7 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
                        L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
                        BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
-                       pf_ptr, pf_bytes, L2PF: tl.constexpr, PDL: tl.constexpr):
+                       PDL: tl.constexpr):
     """HC read, part 1 (split). Grid (cdiv(NOUT, BLOCK_N), HC * CPS): program (p, k) takes chunk
     k of C (BLOCK_K columns of stream k // CPS), loads its [BLOCK_N, BLOCK_K] tile of
     [W_down; W_inj] once, and for every row stores sum(R'^2) over the chunk (ss [NB, NS, RB]) and
@@ -187,12 +182,9 @@ def _down_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, part_ptr, ss
     needed yet, since Rn . W = rstd * (R' (1 + w)) . W per stream. The last of the NS programs of
     row block p (a counter, left zero) sums its chunks: rstd per stream, d = sum over chunks of
     rstd * part, then torch's roundings: m = silu(d / hc) -> m [RB, L] (fp32), s = 2 sigmoid(d /
-    hc) -> s_out; block 0 stores rstd [RB, HC]. L2PF: the programs first ask L2 for pf_bytes at
-    pf_ptr (kernel 2's W_up; l2_prefetch.py).
+    hc) -> s_out; block 0 stores rstd [RB, HC].
     """
     pdl_release(PDL)
-    prefetch_l2(pf_ptr, pf_bytes, tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
-                tl.num_programs(0) * tl.num_programs(1), L2PF)
     _down_tile(tl.program_id(0), tl.program_id(1), r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr,
                part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D, HC, L, NOUT,
                ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
@@ -215,10 +207,9 @@ def _up_w0(p, wu_ptr, D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: t
 def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
              D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
              ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr, BLOCK_D: tl.constexpr,
-             BLOCK_L: tl.constexpr, MCACHE: tl.constexpr):
+             BLOCK_L: tl.constexpr):
     # HC read part 2 for tile p, its first W_up step w0 (_up_w0) already loaded: see
-    # _up_split_kernel. MCACHE: the cache modifier of the m and rstd loads, ".cg" (through L2)
-    # where programs of the same launch wrote them, "" (the default) after a kernel boundary
+    # _up_split_kernel
     c = tl.arange(0, HCP * BLOCK_D)  # tile row c: stream c // BLOCK_D, column p*BLOCK_D + c % ..
     stream, j = c // BLOCK_D, p * BLOCK_D + c % BLOCK_D
     c_ok = (stream < HC) & (j < D)
@@ -230,7 +221,7 @@ def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
             acc = tl.zeros([HCP * BLOCK_D, BLOCK_L], dtype=tl.float32)
             for lb in tl.static_range(0, L, BLOCK_L):
                 lo = lb + ll
-                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0, cache_modifier=MCACHE)
+                m = tl.load(m_ptr + bi * L + lo, mask=lo < L, other=0.0)
                 if lb == 0:
                     w = w0
                 else:
@@ -239,8 +230,7 @@ def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
                 acc += w.to(tl.float32) * m[None, :]
             mix = _rnd(_sigmoid(_rnd(tl.sum(acc, axis=1), BF16)), BF16)  # [HCP*BLOCK_D]
             v = _updated(r_ptr, y_ptr, s_ptr, bi, stream, j, c_ok, D, HC, ADD, BF16)  # R'
-            rstd = tl.load(rstd_ptr + bi * HC + stream, mask=c_ok, other=0.0,
-                           cache_modifier=MCACHE)
+            rstd = tl.load(rstd_ptr + bi * HC + stream, mask=c_ok, other=0.0)
             prod = _rnd(mix * _normed(v, rstd, nw_ptr, stream, j, c_ok, D, BF16), BF16)
             xs = tl.sum(tl.reshape(prod, (HCP, BLOCK_D)), axis=0)  # [BLOCK_D] over streams
             tl.store(x_ptr + bi * D + xj,
@@ -254,75 +244,20 @@ def _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
 def _up_split_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
                      D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr, L: tl.constexpr,
                      ADD: tl.constexpr, BF16: tl.constexpr, RB: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, pf_ptr, pf_bytes,
-                     L2PF: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
     """HC read, part 2 (split). Grid (cdiv(D, BLOCK_D),); m, rstd (+ R, y, s) -> x [rows, D],
     R' [rows, C] (when ADD). Per row: u = W_up[hc streams x BLOCK_D columns] . m (fp32, BLOCK_L
     low-rank columns a step: one step when BLOCK_L >= L), rounded; sigmoid, rounded; R' and Rn
     for these columns (R' bit-identical to part 1's); x = sum over streams of round(sigmoid(u) *
-    Rn), / hc, rounded. L2PF: the programs first ask L2 for pf_bytes at pf_ptr (the weight the
-    block after the read starts with; l2_prefetch.py).
+    Rn), / hc, rounded.
     """
     pdl_release(PDL)
     p = tl.program_id(0)
-    prefetch_l2(pf_ptr, pf_bytes, p, tl.num_programs(0), L2PF)
     # the first low-rank step's weights load before the PDL wait (m comes from part 1)
     w0 = _up_w0(p, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
     pdl_wait(PDL)
     _up_tile(p, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows,
-             D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L, "")
-
-
-@_jit
-def _read_one_launch_kernel(r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr, wu_ptr, part_ptr, ss_ptr,
-                            m_ptr, sout_ptr, rstd_ptr, x_ptr, rout_ptr, cnt_ptr, bar_ptr, rows,
-                            eps, D: tl.constexpr, HC: tl.constexpr, HCP: tl.constexpr,
-                            L: tl.constexpr, NOUT: tl.constexpr, ADD: tl.constexpr,
-                            BF16: tl.constexpr, RB: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, CPS: tl.constexpr, NSP: tl.constexpr,
-                            BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, NB: tl.constexpr,
-                            NUP: tl.constexpr, DOWN_LOOP: tl.constexpr, PHASE: tl.constexpr,
-                            PDL: tl.constexpr):
-    """HC read in one launch (PHASE 0): the G programs take part 1's NB * NS tiles and part 2's
-    NUP tiles round robin (tile t of a part to program t % G, programs numbered row-major over
-    the grid), with a grid barrier between the parts; each program loads its first part-2
-    weights before the barrier. The tiles are _down_split_kernel's and _up_split_kernel's (the
-    same helpers), so the output is theirs bit for bit. G must not exceed `sync.co_resident`.
-    DOWN_LOOP False: grid (NB, NS), program (p, k) part 1's tile (p, k), as in
-    _down_split_kernel (a 1-D grid's p = pid // NS, k = pid % NS took 164 registers a thread
-    instead of 125 at sm_90, a loop over tiles 208: fewer programs an SM). DOWN_LOOP True:
-    grid (G, 1), a loop over part-1 tiles. PHASE 1 / 2 run one part alone, two launches in order
-    with the same grid (the interpreter's form: its programs run one after another, and a
-    barrier would never open)."""
-    NS: tl.constexpr = HC * CPS
-    pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-    G = tl.num_programs(0) * tl.num_programs(1)
-    if PHASE != 2:
-        if DOWN_LOOP:
-            for t in tl.range(pid, NB * NS, G):
-                _down_tile(t // NS, t % NS, r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr, wi_ptr,
-                           part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D,
-                           HC, L, NOUT, ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
-        else:
-            _down_tile(tl.program_id(0), tl.program_id(1), r_ptr, y_ptr, s_ptr, nw_ptr, wd_ptr,
-                       wi_ptr, part_ptr, ss_ptr, m_ptr, sout_ptr, rstd_ptr, cnt_ptr, rows, eps, D,
-                       HC, L, NOUT, ADD, BF16, RB, BLOCK_N, BLOCK_K, CPS, NSP, PDL)
-    if PHASE != 1:
-        w0 = _up_w0(pid, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L)
-        pdl_wait(PDL)  # every program, before it reads R (a program may have had no tile above)
-        if PHASE == 0:
-            grid_barrier(bar_ptr, G)
-        pdl_release(PDL)  # not before the barrier: the next kernel could take our slots
-        if pid < NUP:
-            _up_tile(pid, w0, r_ptr, y_ptr, s_ptr, nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr,
-                     rout_ptr, rows, D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L, ".cg")
-        for t in tl.range(pid + G, NUP, G):
-            _up_tile(t, _up_w0(t, wu_ptr, D, HC, HCP, L, BLOCK_D, BLOCK_L), r_ptr, y_ptr, s_ptr,
-                     nw_ptr, wu_ptr, m_ptr, rstd_ptr, x_ptr, rout_ptr, rows, D, HC, HCP, L, ADD,
-                     BF16, RB, BLOCK_D, BLOCK_L, ".cg")
-    else:
-        pdl_wait(PDL)
-        pdl_release(PDL)
+             D, HC, HCP, L, ADD, BF16, RB, BLOCK_D, BLOCK_L)
 
 
 @_jit
@@ -362,7 +297,7 @@ def _step(n: int, cap: int) -> int:
 @family("hc")
 def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = None,
                   s: Tensor | None = None, inject: bool = True, tiles: HcTiles | None = None,
-                  prefetch: Tensor | None = None):
+                  *, kc: KernelConfig = DEFAULT):
     """(R', x, s_new): R' = R + s * y per stream (R itself when y is None), then the HC read of R'.
 
     Args:
@@ -370,13 +305,10 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
         w: the mixer's weights by name: hc_norm.weight [C], input_mix_weight_down.weight [L, C],
             input_mix_weight_up.weight [C, L], block_inject_weight.weight [hc, C] (if inject).
         y, s: [..., D] block output and [..., hc] its injection weights, R's dtype; or None.
-        prefetch: the weight the block after the read starts with: with `kernels.L2_PREFETCH`
-            on, kernel 2 asks L2 for it (and kernel 1 for kernel 2's W_up; l2_prefetch.py).
-            The one-launch form (`HC_ONE_LAUNCH`) prefetches nothing.
+        kc: the kernel configuration (its PDL choice).
     Returns R' [..., C] (a new tensor when y is given), x [..., D] and s_new [..., hc] (None
-    without inject), all in R's dtype. Two kernel launches, or one with `HC_ONE_LAUNCH` on (the
-    same bits); no host sync. With PDL the weight tiles are read before the previous kernel has
-    finished: no kernel may still be writing w.
+    without inject), all in R's dtype. Two kernel launches; no host sync. With PDL the weight
+    tiles are read before the previous kernel has finished: no kernel may still be writing w.
     """
     C = R.shape[-1]
     D = C // hc
@@ -403,7 +335,7 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
     t = tiles or default_tiles(rows)
     rb = _rows_block(rows)
     common = dict(D=D, HC=hc, L=L, ADD=add, BF16=_bf16(R.dtype), RB=rb,
-                  enable_fp_fusion=t.fp_fusion, **pdl_launch(R))
+                  enable_fp_fusion=t.fp_fusion, **pdl_launch(R, kc.pdl))
     block_k = min(t.down_k, triton.next_power_of_2(D))
     cps = triton.cdiv(D, block_k)  # chunks per stream
     nb, ns = triton.cdiv(NOUT, t.down_rows), hc * cps
@@ -415,55 +347,17 @@ def hc_mix_triton(R: Tensor, w: dict, hc: int, eps: float, y: Tensor | None = No
                 NSP=triton.next_power_of_2(ns))
     up = dict(HCP=triton.next_power_of_2(hc), BLOCK_D=t.up_cols, BLOCK_L=_step(L, t.up_k))
     cnt = counters(dev, nb, "hc")
-    if HC_ONE_LAUNCH.value:
-        nup = triton.cdiv(D, t.up_cols)
-        args = (R2, y2, s2, nw, wd, wi, wu, part, ss, m, s_out, rstd, x, r_out, cnt,
-                counters(dev, 2, "hc_barrier"), rows, eps)
-        kw = dict(NB=nb, NUP=nup, num_warps=max(t.down_warps, t.up_warps), **down, **up,
-                  **common)
-        loop, g = _one_launch_grid(args, kw, dev, nb, ns, nup)
-        grid = (g, 1) if loop else (nb, ns)
-        # the interpreter runs programs one after another: there the parts are two launches
-        for phase in (1, 2) if INTERPRET else (0,):
-            _read_one_launch_kernel[grid](*args, DOWN_LOOP=loop, PHASE=phase, **kw)
-    else:
-        _down_split_kernel[(nb, ns)](R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, cnt, rows,
-                                     eps, num_warps=t.down_warps, **down, **common,
-                                     **l2_target(wu, R2))
-        _up_split_kernel[(triton.cdiv(D, t.up_cols),)](
-            R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, num_warps=t.up_warps, **up, **common,
-            **l2_target(prefetch, R2))
+    _down_split_kernel[(nb, ns)](R2, y2, s2, nw, wd, wi, part, ss, m, s_out, rstd, cnt, rows,
+                                 eps, num_warps=t.down_warps, **down, **common)
+    _up_split_kernel[(triton.cdiv(D, t.up_cols),)](
+        R2, y2, s2, nw, wu, m, rstd, x, r_out, rows, num_warps=t.up_warps, **up, **common)
     return (r_out.view(R.shape), x.view(*lead, D),
             s_out.view(*lead, hc) if inject else None)
 
 
-_PROGRAMS: dict[tuple, int] = {}
-
-
-def _one_launch_grid(args: tuple, kw: dict, dev: torch.device, nb: int, ns: int,
-                     up: int) -> tuple[bool, int]:
-    """(DOWN_LOOP, G) of the one-launch HC read for nb x ns part-1 tiles and `up` part-2 tiles:
-    one part-1 tile a program (grid (nb, ns)) where the GPU holds that many programs at once
-    (the grid barrier needs them all resident), else a loop over them in as many programs as
-    it holds (grid (G, 1)). The interpreter has no such limit."""
-    if INTERPRET or _co_resident(args, kw, dev, False) >= nb * ns:
-        return False, nb * ns
-    return True, min(max(nb * ns, up), _co_resident(args, kw, dev, True))
-
-
-def _co_resident(args: tuple, kw: dict, dev: torch.device, loop: bool) -> int:
-    # sync.co_resident of the compiled variant, once per variant (rows: Triton specializes
-    # an int argument equal to 1 or divisible by 16, which can change the registers)
-    key = (dev, loop, args[-2], tuple(sorted((k, v) for k, v in kw.items() if k != "launch_pdl")))
-    if key not in _PROGRAMS:
-        compiled = _read_one_launch_kernel.warmup(*args, DOWN_LOOP=loop, PHASE=0, grid=(1,),
-                                                  **kw)
-        _PROGRAMS[key] = co_resident(compiled, dev)
-    return _PROGRAMS[key]
-
-
 @family("hc")
-def hc_write_triton(R: Tensor, y: Tensor, s: Tensor, block: int = 1024) -> Tensor:
+def hc_write_triton(R: Tensor, y: Tensor, s: Tensor, block: int = 1024, *,
+                    kc: KernelConfig = DEFAULT) -> Tensor:
     """R + s_i * y for every stream i in one kernel; R [..., hc*D], y [..., D], s [..., hc]."""
     hc, D = s.shape[-1], y.shape[-1]
     C = R.shape[-1]
@@ -473,5 +367,6 @@ def hc_write_triton(R: Tensor, y: Tensor, s: Tensor, block: int = 1024) -> Tenso
     out = torch.empty_like(R2)
     _write_kernel[(rows, triton.cdiv(C, block))](
         R2, y.reshape(rows, D).contiguous(), s.reshape(rows, hc).contiguous(), out, D=D, HC=hc,
-        BF16=_bf16(R.dtype), BLOCK=block, num_warps=4, enable_fp_fusion=False, **pdl_launch(R))
+        BF16=_bf16(R.dtype), BLOCK=block, num_warps=4, enable_fp_fusion=False,
+        **pdl_launch(R, kc.pdl))
     return out.view(R.shape)

@@ -3,7 +3,7 @@ weights straight from the slot bank by slot id (Triton, CUDA).
 
 Why: the torch path (`experts.routed_experts_torch`) runs ~8 launches per expert, ~512 experts a
 layer at an 8,192-token chunk: ~300 ms a layer on the H200, bound by the host issuing them
-(docs/performance.md, session 8). Here a layer is ~40 small torch launches (the plan below, the
+(docs/performance.md). Here a layer is ~40 small torch launches (the plan below, the
 x copy, the per-token order) and three kernels, with no host sync: nothing waits for the device.
 
 Design (the grouping of vLLM's fused_moe, written afresh: pairs sorted by expert, each expert's
@@ -61,17 +61,15 @@ pairs, NB_MAX the block bound, NBN N-blocks of a kernel.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels import HAS_TRITON, interpret, jit as _jit, tl, triton  # noqa: F401
 from ftchat.kernels.hyper import _rnd
 from ftchat.codecs.rows import RowLayout
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read by Triton at decoration, as here
 INTERPRET_SMS = 4  # "SMs" of the interpreter: a few persistent programs, each loops over tiles
 
 
@@ -371,7 +369,7 @@ def routed_experts_grouped(x: Tensor, bank: Tensor, layout: RowLayout, slots: Te
     banks = (bank, bank.view(torch.bfloat16) if not fp4 else bank, bank.view(torch.float32))
     nb_max = table.shape[1]
     bm = tiles.block_m
-    common = dict(D=D, I=I, FP4=fp4, BLOCK_M=bm, TC=not INTERPRET)
+    common = dict(D=D, I=I, FP4=fp4, BLOCK_M=bm, TC=not interpret())
     least = 32 if fp4 else 16  # NVFP4: two dots of half a step, >= 16 each
     n1 = _cols(I, tiles.gate_up_n)
     k1 = _step(D, tiles.gate_up_k, least)

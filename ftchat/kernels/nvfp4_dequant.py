@@ -4,7 +4,7 @@ reaches, the GDN qkv / z of the torch path).
 Why: the torch form (`nvfp4.dequantize`, then a cast) runs ~10 elementwise kernels over fp32 and
 int32 copies of every weight; a prefill chunk dequantizes ~512 experts a layer that way, and the
 H200 profile of a 8,192-token chunk spent most of its ~295 ms per layer there
-(docs/performance.md, session 8). Here each weight is read once (half a byte, plus its scale and
+(docs/performance.md). Here each weight is read once (half a byte, plus its scale and
 global) and written once in the output dtype.
 
 Math, the torch form's bit for bit: v = E2M1[code] (exact in fp32), w = (v * fp32(scale)) * g,
@@ -24,7 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.hyper import _rnd
 from ftchat.codecs import nvfp4
 
@@ -93,10 +94,11 @@ def dequantize_triton(packed: Tensor, scale: Tensor, g: Tensor, dtype: torch.dty
     return out[0] if squeeze else out
 
 
-def dequantize(packed: Tensor, scale: Tensor, g: Tensor, dtype: torch.dtype) -> Tensor:
+def dequantize(packed: Tensor, scale: Tensor, g: Tensor, dtype: torch.dtype, *,
+               kc: KernelConfig = DEFAULT) -> Tensor:
     """`dequantize_triton` on CUDA (fused kernels on, bf16 / fp32, a per-row global), else the
     torch form; the same bits either way."""
-    if (use_fused(packed) and dtype in (torch.bfloat16, torch.float32)
+    if (kc.runs_fused(packed) and dtype in (torch.bfloat16, torch.float32)
             and g.dtype == torch.float32 and g.shape == packed.shape[:-1] and packed.dim() <= 3):
         return dequantize_triton(packed, scale, g, dtype)
     return dequantize_ref(packed, scale, g, dtype)

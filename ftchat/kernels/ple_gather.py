@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _bf16, _rnd
 
@@ -76,7 +77,8 @@ def _gather_kernel(table_ptr, rows_ptr, out_ptr, scale, NH: tl.constexpr, D: tl.
              mask=ok)
 
 
-def gather_triton(table: Tensor, scale: float | None, rows: Tensor, dtype: torch.dtype) -> Tensor:
+def gather_triton(table: Tensor, scale: float | None, rows: Tensor, dtype: torch.dtype, *,
+                  kc: KernelConfig = DEFAULT) -> Tensor:
     """`gather_ref` in one kernel: no host sync, shapes fixed by rows' (graph-capturable).
 
     Args:
@@ -98,25 +100,26 @@ def gather_triton(table: Tensor, scale: float | None, rows: Tensor, dtype: torch
         table, flat, out, 1.0 if scale is None else scale, NH=nh, D=d,
         NHP=max(2, triton.next_power_of_2(nh)), BLOCK_D=max(2, triton.next_power_of_2(d)),
         HAS_SCALE=scale is not None, BF16=_bf16(dtype), num_warps=4, enable_fp_fusion=False,
-        **pdl_launch(flat))
+        **pdl_launch(flat, kc.pdl))
     return out
 
 
 # ===== dispatch =====
 
 
-def fused(table: Tensor, rows: Tensor, dtype: torch.dtype) -> bool:
-    """Whether `gather` runs the kernel: fused kernels on rows' device (CUDA + Triton, see
-    ftchat.kernels.use_fused), a model dtype it writes, and a table it can address (pinned host
+def fused(table: Tensor, rows: Tensor, dtype: torch.dtype, kc: KernelConfig = DEFAULT) -> bool:
+    """Whether `gather` runs the kernel: fused kernels on rows' device (CUDA + Triton,
+    KernelConfig.runs_fused), a model dtype it writes, and a table it can address (pinned host
     memory, or on rows' device)."""
-    if not (use_fused(rows) and dtype in OUT_DTYPES):
+    if not (kc.runs_fused(rows) and dtype in OUT_DTYPES):
         return False
     return table.device == rows.device or (rows.is_cuda and table.is_pinned())
 
 
-def gather(table: Tensor, scale: float | None, rows: Tensor, dtype: torch.dtype) -> Tensor:
+def gather(table: Tensor, scale: float | None, rows: Tensor, dtype: torch.dtype, *,
+           kc: KernelConfig = DEFAULT) -> Tensor:
     """E [..., nh*d] in dtype on rows' device from table [N, d] at rows [..., nh]: the kernel when
     `fused`, else the torch reference."""
-    if fused(table, rows, dtype):
-        return gather_triton(table, scale, rows, dtype)
+    if fused(table, rows, dtype, kc):
+        return gather_triton(table, scale, rows, dtype, kc=kc)
     return gather_ref(table, scale, rows, dtype)

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import pdl_release, pdl_wait
 from ftchat.kernels.hyper import _bf16, _rnd
@@ -99,16 +100,12 @@ def _key_logit(key, BF16: tl.constexpr):
 
 @_jit
 def _topk_row(lg_ptr, ids_ptr, w_ptr, E: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-              BLOCK_E: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr, CG: tl.constexpr):
+              BLOCK_E: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
     # one row: logits lg_ptr[0:E] -> ids_ptr[0:K] int64, w_ptr[0:K]; the keyed top-k (module
-    # docstring). CG: the logits were stored by other programs of this launch (loads via L2)
+    # docstring)
     e = tl.arange(0, BLOCK_E)
     ok = e < E
-    if CG:
-        lg = tl.load(lg_ptr + e, mask=ok, other=float("-inf"), cache_modifier=".cg")
-    else:
-        lg = tl.load(lg_ptr + e, mask=ok, other=float("-inf"))
-    lg = lg.to(tl.float32)
+    lg = tl.load(lg_ptr + e, mask=ok, other=float("-inf")).to(tl.float32)
     key = _topk_keys(lg, e, ok, BF16)  # [BLOCK_E] int32 (bf16) / int64 (fp32)
     kk = tl.arange(0, KP)
     best = tl.max(key, axis=0)
@@ -139,7 +136,7 @@ def _topk_softmax_keyed_kernel(logits_ptr, ids_ptr, w_ptr, L_SR, E: tl.constexpr
     pdl_wait(PDL)
     r = tl.program_id(0)
     _topk_row(logits_ptr + r * L_SR, ids_ptr + r * K, w_ptr + r * K, E, K, KP, BLOCK_E, NORM,
-              BF16, False)
+              BF16)
 
 
 @_jit
@@ -177,7 +174,8 @@ def _topk_softmax_kernel(logits_ptr, ids_ptr, w_ptr, L_SR, E: tl.constexpr, K: t
     tl.store(w_ptr + r * K + kk, _rnd(p, BF16).to(w_ptr.dtype.element_ty), mask=kk < K)
 
 
-def _router_topk(kernel, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+def _router_topk(kernel, logits: Tensor, k: int, norm_topk_prob: bool, pdl: bool
+                 ) -> tuple[Tensor, Tensor]:
     E = logits.shape[-1]
     assert 0 < k <= E
     assert E <= (65536 if logits.dtype == torch.bfloat16 else 2**31 - 1), "the keys' index bits"
@@ -189,21 +187,22 @@ def _router_topk(kernel, logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[
     w = torch.empty(rows, k, dtype=lg.dtype, device=lg.device)
     kernel[(rows,)](lg, ids, w, lg.stride(0), E=E, K=k, KP=max(2, triton.next_power_of_2(k)),
                     BLOCK_E=triton.next_power_of_2(E), NORM=norm_topk_prob,
-                    BF16=_bf16(lg.dtype), num_warps=1, **pdl_launch(lg))
+                    BF16=_bf16(lg.dtype), num_warps=1, **pdl_launch(lg, pdl))
     lead = logits.shape[:-1]
     return ids.view(*lead, k), w.view(*lead, k)
 
 
 @family("router")
-def router_topk_triton(logits: Tensor, k: int, norm_topk_prob: bool) -> tuple[Tensor, Tensor]:
+def router_topk_triton(logits: Tensor, k: int, norm_topk_prob: bool, *,
+                       kc: KernelConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """ids [..., k] int64 and weights [..., k] (logits' dtype) from router logits [..., E] (rows
     may be strided: the columns of the fused MoE GEMV's output). The keyed kernel: one warp
     reduction per pick."""
-    return _router_topk(_topk_softmax_keyed_kernel, logits, k, norm_topk_prob)
+    return _router_topk(_topk_softmax_keyed_kernel, logits, k, norm_topk_prob, kc.pdl)
 
 
-def router_topk_triton_v0(logits: Tensor, k: int, norm_topk_prob: bool
-                          ) -> tuple[Tensor, Tensor]:
+def router_topk_triton_v0(logits: Tensor, k: int, norm_topk_prob: bool, *,
+                          kc: KernelConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """`router_topk_triton` through the previous kernel (three reductions per pick): the same
     bits; kept for the tests and bench_hyper_router.py's route arms."""
-    return _router_topk(_topk_softmax_kernel, logits, k, norm_topk_prob)
+    return _router_topk(_topk_softmax_kernel, logits, k, norm_topk_prob, kc.pdl)

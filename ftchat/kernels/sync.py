@@ -15,9 +15,6 @@ the chain holds. What comes before the wait may only read data no kernel writes 
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 from torch import Tensor
 
@@ -61,43 +58,3 @@ def pdl_release(PDL: tl.constexpr):
     # PDL: let the stream's next kernel be scheduled once every program of this one has run this
     if PDL:
         gdc_launch_dependents()
-
-
-@_jit
-def grid_barrier(cnt, n):
-    # every one of the launch's n programs waits here until all n have arrived: what any of
-    # them stored before is then visible to all (read it through L2, ".cg"). The n programs
-    # must be resident at once (launch at most `co_resident` of them) and no program may
-    # release the stream's next kernel before this (PDL: its programs could take the slots of
-    # ours still to come). cnt [2] int32 zeros (arrivals, departures), left zero: the last to
-    # leave resets both, when every program has left the spin
-    tl.debug_barrier()
-    tl.atomic_add(cnt, 1, sem="acq_rel")
-    while tl.atomic_add(cnt, 0, sem="acquire") < n:
-        pass
-    if tl.atomic_add(cnt + 1, 1, sem="acq_rel") == n - 1:
-        tl.atomic_xchg(cnt, 0)
-        tl.atomic_xchg(cnt + 1, 0)
-
-
-def co_resident(compiled, device: torch.device) -> int:
-    """How many programs of a compiled Triton kernel fit on the GPU at once: the SMs times the
-    driver's occupancy of one SM (cuOccupancyMaxActiveBlocksPerMultiprocessor, which counts
-    registers, threads, shared memory with the block's reserved part, and the block limit; a
-    sum of our own missed the reserved shared memory). `grid_barrier` needs the launch within
-    this, with the GPU to itself (MPS or a partition gives a process fewer SMs)."""
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    compiled._init_handles()  # loads the binary (Triton does it lazily): function is set after
-    per_sm = ctypes.c_int(0)
-    err = _libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(
-        ctypes.byref(per_sm), ctypes.c_void_p(compiled.function),
-        ctypes.c_int(32 * compiled.metadata.num_warps), ctypes.c_size_t(compiled.metadata.shared))
-    if err != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveBlocksPerMultiprocessor failed: CUresult {err}")
-    return torch.cuda.get_device_properties(index).multi_processor_count * per_sm.value
-
-
-@functools.cache
-def _libcuda() -> ctypes.CDLL:
-    return ctypes.CDLL("libcuda.so.1")

@@ -69,7 +69,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton, use_fused  # noqa: F401
+from ftchat.kernels import HAS_TRITON, jit as _jit, pdl_launch, tl, triton  # noqa: F401
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.skip import family
 from ftchat.kernels.sync import counters, last_to_arrive as _last_to_arrive, pdl_release, pdl_wait
 
@@ -293,7 +294,7 @@ def _write_kernel(key_ptr, st_ptr, scr_ptr, idx_ptr, val_ptr, N, K, CHUNK: tl.co
 @family("qsa")
 def topk_keys_triton(keys: Tensor, k: int, chunk: int = CHUNK, small_max: int = SMALL_MAX,
                      digit_bits: int = DIGIT_BITS, num_warps: int | None = None,
-                     _edit_state=None) -> tuple[Tensor, Tensor]:
+                     _edit_state=None, *, kc: KernelConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """(indices [B, k] int64, values [B, k] int64): the k largest of each row of keys [B, N]
     (int64 ranking keys in `qsa.rank_key`'s form: bits(score >= 0) << 32 | (N - 1 - n), or -1),
     in ascending index order; with fewer than k keys >= 0 the first -1 entries fill the row.
@@ -316,7 +317,7 @@ def topk_keys_triton(keys: Tensor, k: int, chunk: int = CHUNK, small_max: int = 
         (s0, w0), (s1, w1), (s2, w2) = dg[:3]
         _small_kernel[(B,)](keys, idx, val, N, k, NP=npad, S0=s0, W0=w0, S1=s1, W1=w1, S2=s2,
                             W2=w2, W3=dg[3][1] if len(dg) > 3 else 0,
-                            num_warps=num_warps or WARPS, **pdl_launch(keys))
+                            num_warps=num_warps or WARPS, **pdl_launch(keys, kc.pdl))
         return idx, val
     assert chunk >= 256 and chunk & (chunk - 1) == 0, "chunk: a power of two >= 256"
     chunk = max(chunk, triton.next_power_of_2(triton.cdiv(N, 64)))  # <= 64 chunks a row: the
@@ -330,13 +331,13 @@ def topk_keys_triton(keys: Tensor, k: int, chunk: int = CHUNK, small_max: int = 
     grid = (B, nch)
     for p, (shift, bits) in enumerate(dg[:-1]):
         _hist_kernel[grid](keys, hist, cnt, state, N, k, SHIFT=shift, BITS=bits, PASS=p,
-                           CHUNK=chunk, NCH=nch, num_warps=w, **pdl_launch(keys))
+                           CHUNK=chunk, NCH=nch, num_warps=w, **pdl_launch(keys, kc.pdl))
     _final_kernel[grid](keys, cnt, state, scr, N, PASS=len(dg) - 1, CHUNK=chunk, NCH=nch,
-                        NCHP=nchp, num_warps=w, **pdl_launch(keys))
+                        NCHP=nchp, num_warps=w, **pdl_launch(keys, kc.pdl))
     if _edit_state is not None:
         _edit_state(state, idx, val)
     _write_kernel[grid](keys, state, scr, idx, val, N, k, CHUNK=chunk, NCH=nch, num_warps=w,
-                        **pdl_launch(keys))
+                        **pdl_launch(keys, kc.pdl))
     return idx, val
 
 
@@ -358,9 +359,9 @@ def topk_keys_ref(keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
     return idx, keys.gather(1, idx)
 
 
-def topk_keys(keys: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def topk_keys(keys: Tensor, k: int, *, kc: KernelConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """The k largest ranking keys of each row (indices, values; ascending index): the Triton
     radix select on CUDA (N <= TOPK_MAX_N), else its torch mirror; the same tensors either way."""
-    if use_fused(keys) and keys.shape[-1] <= TOPK_MAX_N:
-        return topk_keys_triton(keys, k)
+    if kc.runs_fused(keys) and keys.shape[-1] <= TOPK_MAX_N:
+        return topk_keys_triton(keys, k, kc=kc)
     return topk_keys_ref(keys, k)

@@ -1,4 +1,6 @@
-"""Reading a qwen4_exp checkpoint folder: config, sharded safetensors, bf16 or NVFP4 (two dialects).
+"""Reading a checkpoint folder: config, sharded safetensors, bf16 or NVFP4 (two dialects). The
+config's model_type picks the family (ftchat/model/registry.py), whose tensor inventory says what
+to read.
 
 Dense weights come back as one name -> tensor dict (names relative to the text-model prefix);
 routed experts come back one layer at a time as packed rows [E, R] (ftchat.codecs.rows layout),
@@ -15,13 +17,13 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
+from ftchat.codecs import nvfp4
+from ftchat.codecs.rows import RowLayout
 from ftchat.errors import ModelError
 from ftchat.kernels import ple_gather
-from ftchat.codecs import nvfp4
-from ftchat.model.config import ModelArgs, read_config_json
+from ftchat.model.config import read_config_json
 from ftchat.model.ngram_table import HostTable, NGramTable, load_host_table
-from ftchat.codecs.rows import RowLayout
-from ftchat.model.spec import dense_specs, expert_name, expert_specs
+from ftchat.model.registry import family_for_config
 
 PREFIXES = ("model.language_model.", "model.")
 BF16 = "bf16"  # any unquantized float checkpoint
@@ -37,7 +39,9 @@ class Checkpoint:
         if not self.folder.is_dir():
             raise ModelError(f"{self.folder}: no such model folder")
         self.hf_config = read_config_json(self.folder)
-        self.args = ModelArgs.from_hf(self.hf_config, str(self.folder / "config.json"))
+        where = str(self.folder / "config.json")
+        self.family = family_for_config(self.hf_config, where)
+        self.args = self.family.parse_config(self.hf_config, where)
         self.files = self._index()  # tensor name -> shard path
         self.prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in self.files), None)
         if self.prefix is None:
@@ -105,7 +109,7 @@ class Checkpoint:
                 raise ModelError(f"{hf_quant}: unreadable ({e})") from None
             qc = {"quant_method": "modelopt", **q}
         dialect = nvfp4.dialect_from_quant_config(qc) if qc else None
-        probe = self.prefix + expert_name(0, 0, "gate_proj")
+        probe = self.prefix + self.family.expert_name(0, 0, "gate_proj")
         found = nvfp4.detect_dialect(self.files, probe)
         if dialect is not None and found is not None and found != dialect:
             raise ModelError(f"{self.folder}: quantization config says {dialect}, tensors say {found}")
@@ -119,7 +123,7 @@ class Checkpoint:
         return RowLayout("nvfp4", a.hidden_size, a.moe_intermediate_size)
 
     def _expert_dtype(self) -> torch.dtype:
-        name = self.prefix + expert_name(0, 0, "gate_proj") + ".weight"
+        name = self.prefix + self.family.expert_name(0, 0, "gate_proj") + ".weight"
         if name not in self.files:
             name = self.prefix + "layers.0.mlp.experts.gate_up_proj"
         if name not in self.files:
@@ -148,7 +152,7 @@ class Checkpoint:
     def kept_nvfp4(self) -> bool:
         """Whether load keeps some dense weight in NVFP4 (the GDN qkv / z projections of an NVFP4
         checkpoint), from the file headers alone."""
-        for name, spec in dense_specs(self.args).items():
+        for name, spec in self.family.dense_specs(self.args).items():
             if spec.kept_nvfp4:
                 base = name[: -len(".weight")]  # a ModelOpt packed tensor is named .weight too
                 return any(self.has(nvfp4.tensor_names(d, base)["block_scale"])
@@ -164,7 +168,7 @@ class Checkpoint:
         (an NGramTable), or with table_host read whole into one host tensor (a HostTable,
         table_progress(i, n) per shard); a smaller one is dequantized and concatenated."""
         a = self.args
-        specs = dense_specs(a)
+        specs = self.family.dense_specs(a)
         out: dict[str, Tensor] = {}
         shards: dict[str, list[str]] = {}
         for n, (name, spec) in enumerate(specs.items()):
@@ -205,7 +209,7 @@ class Checkpoint:
         headers alone (no tensor is read): a config that does not describe these weights is an
         error here, not a report of the wrong sizes."""
         a = self.args
-        for name, spec in dense_specs(a).items():
+        for name, spec in self.family.dense_specs(a).items():
             self._check_shape(name, spec.shape, spec.quantizable)
         self._check_shape("lm_head.weight", (a.vocab_size, a.hidden_size), True)
         stacked = "layers.0.mlp.experts.gate_up_proj"
@@ -214,8 +218,8 @@ class Checkpoint:
             self._check_shape(stacked, (E, 2 * I, H))
             self._check_shape("layers.0.mlp.experts.down_proj", (E, H, I))
         else:
-            for proj, shape in expert_specs(a).items():
-                self._check_shape(expert_name(0, 0, proj) + ".weight", shape, True)
+            for proj, shape in self.family.expert_specs(a).items():
+                self._check_shape(self.family.expert_name(0, 0, proj) + ".weight", shape, True)
 
     def _check_shape(self, name: str, shape: tuple[int, ...], nvfp4_ok: bool = False) -> None:
         """The header shape of `name`; with nvfp4_ok, NVFP4 storage (packed [N, K/2]) counts."""
@@ -286,13 +290,14 @@ class Checkpoint:
         return rows
 
     def _expert_parts(self, layer: int, e: int) -> dict[str, Tensor]:
-        shapes = expert_specs(self.args)
+        shapes = self.family.expert_specs(self.args)
         if self.format == BF16:
-            w = {p: self.get(expert_name(layer, e, p) + ".weight", s) for p, s in shapes.items()}
+            w = {p: self.get(self.family.expert_name(layer, e, p) + ".weight", s)
+                 for p, s in shapes.items()}
             return {"gate_up": torch.cat([w["gate_proj"], w["up_proj"]]), "down": w["down_proj"]}
         q = {}
         for p, (n, k) in shapes.items():
-            base = expert_name(layer, e, p)
+            base = self.family.expert_name(layer, e, p)
             packed, scale, g = nvfp4.from_checkpoint(self.format, self.get, base)
             if tuple(packed.shape) != (n, k // 2) or tuple(scale.shape) != (n, k // 16):
                 raise ModelError(f"{self.folder}: NVFP4 tensor {base} has shape "

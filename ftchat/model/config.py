@@ -1,4 +1,5 @@
-"""The qwen4_exp text config, parsed from an HF config.json (wrapper or text-only)."""
+"""The qwen4_exp text config, parsed from an HF config.json (wrapper or text-only); the
+config.json helpers every family shares (reading it, the context check)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 from ftchat.errors import ModelError, SettingsError
 
-SUPPORTED_MODEL_TYPES = {"qwen4_exp", "qwen4_exp_text"}
+MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")  # the wrapper (text_config inside), the text model
 
 
 @dataclass(frozen=True)
@@ -70,24 +71,26 @@ class ModelArgs:
     def is_attention(self, layer: int) -> bool:
         return self.layer_types[layer] == "indexed_attention"
 
+    def attention_layers(self) -> frozenset[int]:
+        return frozenset(i for i in range(self.num_hidden_layers) if self.is_attention(i))
+
     @classmethod
     def from_hf(cls, cfg: object, where: str = "config.json") -> "ModelArgs":
         """Parse an HF config (the `qwen4_exp` wrapper or a `qwen4_exp_text` config).
 
         Raises ModelError naming `where` (the file) and the field for anything missing, of the
-        wrong JSON type or out of range."""
+        wrong JSON type or out of range. Any other model_type is the registry's to refuse
+        (ftchat/model/registry.py)."""
         if not isinstance(cfg, dict):
             raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
-                             f"{_json_kind(cfg)}")
+                             f"{json_kind(cfg)}")
         model_type = cfg.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelError(
-                f"unsupported model_type {model_type!r}: ftchat runs qwen4_exp (Qwen3.8-Flash-Next)"
-            )
+        if model_type not in MODEL_TYPES:
+            raise ModelError(f"{where}: model_type {model_type!r} is not a qwen4_exp config")
         text = cfg.get("text_config", cfg) if model_type == "qwen4_exp" else cfg
         if not isinstance(text, dict):
             raise ModelError(f"{where}: \"text_config\" must be a JSON object, got "
-                             f"{_json_kind(text)}")
+                             f"{json_kind(text)}")
         return _parse_text(text, where)
 
 
@@ -105,7 +108,7 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 _MISSING = object()
 
 
-def _json_kind(v: object) -> str:
+def json_kind(v: object) -> str:
     """A JSON value as an error message shows it: its type, and the value when short."""
     kind = ("null" if v is None else "true/false" if isinstance(v, bool) else
             "a number" if isinstance(v, (int, float)) else "a string" if isinstance(v, str) else
@@ -137,7 +140,7 @@ class _Fields:
     def int(self, name: str, default: object = _MISSING, minimum: int | None = 1) -> int:
         v = self.raw(name, default)
         if isinstance(v, bool) or not isinstance(v, int):
-            raise self.fail(name, f"must be an integer, got {_json_kind(v)}")
+            raise self.fail(name, f"must be an integer, got {json_kind(v)}")
         if minimum is not None and v < minimum:
             raise self.fail(name, f"must be at least {minimum}, got {v}")
         return v
@@ -146,19 +149,19 @@ class _Fields:
         v = (src if src is not None else self.t).get(name)
         v = default if v is None else v
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            raise self.fail(name, f"must be a number, got {_json_kind(v)}")
+            raise self.fail(name, f"must be a number, got {json_kind(v)}")
         return float(v)
 
     def str(self, name: str, default: str | None) -> str | None:
         v = self.raw(name, default)
         if v is not None and not isinstance(v, str):
-            raise self.fail(name, f"must be a string, got {_json_kind(v)}")
+            raise self.fail(name, f"must be a string, got {json_kind(v)}")
         return v
 
     def bool(self, name: str, default: bool) -> bool:
         v = self.raw(name, default)
         if not isinstance(v, bool):
-            raise self.fail(name, f"must be true or false, got {_json_kind(v)}")
+            raise self.fail(name, f"must be true or false, got {json_kind(v)}")
         return v
 
     def list(self, name: str, item: type, what: str) -> list | None:
@@ -167,7 +170,7 @@ class _Fields:
             return None
         if not isinstance(v, list) or not all(
                 isinstance(x, item) and not isinstance(x, bool) for x in v):
-            raise self.fail(name, f"must be a list of {what}, got {_json_kind(v)}")
+            raise self.fail(name, f"must be a list of {what}, got {json_kind(v)}")
         return v
 
 
@@ -189,7 +192,7 @@ def _parse_text(t: dict, where: str = "config.json") -> ModelArgs:
         raise ModelError(f"{where}: bad layer_types {list(layer_types)}")
     rope = t.get("rope_parameters")
     if rope is not None and not isinstance(rope, dict):
-        raise f.fail("rope_parameters", f"must be a JSON object, got {_json_kind(rope)}")
+        raise f.fail("rope_parameters", f"must be a JSON object, got {json_kind(rope)}")
     rope = dict(rope or {})
     if "partial_rotary_factor" in t and "partial_rotary_factor" not in rope:
         rope["partial_rotary_factor"] = t["partial_rotary_factor"]
@@ -198,7 +201,7 @@ def _parse_text(t: dict, where: str = "config.json") -> ModelArgs:
         eos = eos[0] if eos else None
     if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
         raise f.fail("eos_token_id", f"must be a token id or a list of them, got "
-                     f"{_json_kind(t.get('eos_token_id'))}")
+                     f"{json_kind(t.get('eos_token_id'))}")
     hidden = f.int("hidden_size")
     hidden_act = f.str("hidden_act", "silu")
     args = ModelArgs(
@@ -295,10 +298,6 @@ def read_config_json(folder: Path) -> dict:
         return json.loads(path.read_text())
     except (OSError, ValueError) as e:
         raise ModelError(f"{path}: not valid JSON ({e})") from None
-
-
-def load_args(folder: Path) -> ModelArgs:
-    return ModelArgs.from_hf(read_config_json(folder), str(Path(folder) / "config.json"))
 
 
 def check_context(a: ModelArgs, context: int | None, flag: str = "--context") -> None:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ftchat.host_memory import pin
 from ftchat.kernels import HAS_TRITON, ple_gather
+from ftchat.kernels.config import DEFAULT, KernelConfig
+from ftchat.model.ngram_table import page_tensor
 
 EMBED = "embed_tokens.weight"
 
@@ -30,9 +33,6 @@ def to_host(table: Tensor) -> Tensor:
     its own and registered at its size (torch's pin_memory would round 1.27 GB up to 2 GiB).
     The copy lives as long as the process, so no captured graph can outlive the table whose
     address it holds."""
-    from ftchat.model.ngram_table import page_tensor
-    from ftchat.offload.store import pin  # ftchat.offload imports this package
-
     host = page_tensor(tuple(table.shape), table.dtype)
     host.copy_(table)
     pin(host)
@@ -40,9 +40,11 @@ def to_host(table: Tensor) -> Tensor:
     return host
 
 
-def embed(table: Tensor, tokens: Tensor) -> Tensor:
-    """Rows of table [V, D] at tokens [...] -> [..., D] on tokens' device, table's dtype."""
+def embed(table: Tensor, tokens: Tensor, *, kc: KernelConfig = DEFAULT) -> Tensor:
+    """Rows of table [V, D] at tokens [...] -> [..., D] on tokens' device, table's dtype. A host
+    table (pinned, `to_host`) can only be read by the gather kernel: it runs whatever kc.fused
+    says (kc gives its launch options)."""
     if table.device == tokens.device:
         return table[tokens]
     assert tokens.is_cuda and table.is_pinned(), "a host embedding needs CUDA tokens, pinned"
-    return ple_gather.gather_triton(table, None, tokens[..., None].long(), table.dtype)
+    return ple_gather.gather_triton(table, None, tokens[..., None].long(), table.dtype, kc=kc)

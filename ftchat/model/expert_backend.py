@@ -3,10 +3,8 @@
 The MoE block splits its routed experts in two calls so the shared expert runs in between:
 `begin` makes the routed experts readable (offload: slot lookup, demand copies, prefetch) and
 returns a Pending; `finish` waits for it and runs the routed expert kernel. On CUDA decode the
-block hands `finish` the shared expert's down output and gate logit (SharedOut), or only its
-fused GEMV's output and down weight (SharedIn: the routed kernel then runs the down GEMV too,
-inside its first launch where it can), and the routed kernel adds the gated shared expert in
-its combine step (docs/model.md section 5.1).
+block hands `finish` the shared expert's down output and gate logit (SharedOut), and the routed
+kernel adds the gated shared expert in its weighted sum (docs/model.md section 5.1).
 Legend: T tokens, D hidden, K top-k, R row bytes.
 """
 
@@ -25,21 +23,6 @@ class SharedOut(NamedTuple):
 
     down: Tensor
     gate_logit: Tensor
-
-
-class SharedIn(NamedTuple):
-    """The shared expert before its down GEMV, for a routed kernel that runs that GEMV itself
-    (expert_kernels.routed_experts_triton): the fused MoE GEMV's output proj [T, >= 2I + 1]
-    (gate | up | gate logit | ...) and down_w [D, I]. h = silu(g) * u of proj's first 2I
-    columns goes through down_w; the gate logit is column 2I."""
-
-    proj: Tensor
-    down_w: Tensor
-
-    @property
-    def gate_logit(self) -> Tensor:
-        I = self.down_w.shape[1]
-        return self.proj[:, 2 * I:2 * I + 1]  # [T, 1]
 
 
 @dataclass(frozen=True)
@@ -65,7 +48,7 @@ class ExpertBackend(Protocol):
         """Make experts `ids` [T, K] of `layer` readable; x [T, D] is the router input."""
 
     def finish(self, pending: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | SharedIn | None = None) -> Tensor:
+               shared: SharedOut | None = None) -> Tensor:
         """Weighted sum [T, D] of the routed experts' outputs (weights [T, K]); with `shared`,
         plus sigmoid(gate logit) * the shared down output in the model dtype (the MoE output)."""
 
@@ -102,7 +85,7 @@ class ForwardingBackend:
         return self.inner.begin(layer, x, ids)
 
     def finish(self, pending: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | SharedIn | None = None) -> Tensor:
+               shared: SharedOut | None = None) -> Tensor:
         return self.inner.finish(pending, x, weights, shared)
 
     def end_step(self, tokens: int) -> None:

@@ -1,4 +1,4 @@
-"""Gated DeltaNet mixer (ARCH.md section 6): causal conv, chunked prefill, recurrent decode step.
+"""Gated DeltaNet mixer (docs/model.md section 6): causal conv, chunked prefill, recurrent decode step.
 
 Legend: B batch, T tokens, D hidden, C conv channels, Hk/Hv key/value heads, dk/dv head dims,
 N = C + Hv*dv + 2*Hv fused projection rows [qkv | z | b | a].
@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import gemv, nvfp4_dequant, nvfp4_gemv, use_fused
+from ftchat.kernels import gemv, nvfp4_dequant, nvfp4_gemv
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.kernels.gdn_decode import gdn_decode_step, gdn_decode_supported
 from ftchat.kernels.gdn_prefill import chunk_scan, gdn_prefill_supported
 from ftchat.model.config import ModelArgs
@@ -29,7 +30,7 @@ from ftchat.codecs.nvfp4 import Nvfp4Weight
 
 CHUNK = 64
 # Tokens of a prefill the chunked rule forms at once (a multiple of CHUNK): the GDN prefill's
-# transients are bounded by it, not by the prefill chunk (ftchat/vram_plan.py `gdn_prefill_bytes`)
+# transients are bounded by it, not by the prefill chunk (qwen4_exp_memory.py `gdn_prefill_bytes`)
 GDN_SUBBLOCK = 1024
 PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 FUSED = "in_proj_fused.weight"  # [N, D]; the four PROJECTIONS entries are row views of it
@@ -55,7 +56,7 @@ def delta_rule_step(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S:
 
 
 def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor,
-                       sub: int | None = None) -> Tensor:
+                       sub: int | None = None, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """T tokens in chunks of 64: q, k [B, Hv, T, dk], v [B, Hv, T, dv], g, beta [B, Hv, T] fp32.
 
     Equals T applications of delta_rule_step up to rounding; S [B, Hv, dk, dv] updated in place.
@@ -69,17 +70,17 @@ def delta_rule_chunked(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     assert sub % CHUNK == 0, f"GDN sub-block {sub} is not a multiple of {CHUNK}"
     T = k.shape[2]
     if T <= sub:
-        return delta_rule_block(q, k, v, g, beta, S)
+        return delta_rule_block(q, k, v, g, beta, S, kc=kc)
     out = v.new_empty(v.shape)
     for t0 in range(0, T, sub):
         p = slice(t0, t0 + sub)
         out[:, :, p] = delta_rule_block(q[:, :, p], k[:, :, p], v[:, :, p], g[:, :, p],
-                                        beta[:, :, p], S)
+                                        beta[:, :, p], S, kc=kc)
     return out
 
 
-def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor
-                     ) -> Tensor:
+def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S: Tensor, *,
+                     kc: KernelConfig = DEFAULT) -> Tensor:
     """`delta_rule_chunked` of one sub-block: its chunks' work at once, only the state passes
     from chunk to chunk, three small batched ops each (`chunk_states`). Shapes as there.
 
@@ -111,7 +112,7 @@ def delta_rule_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, S
     e_gamma = _exp_(gamma.clone())  # [B, H, n, C]
     kb = k * beta[..., None]
     L = ((kb @ k.transpose(-1, -2)) * decay).tril_(-1)  # [B, H, n, C, C] strictly lower
-    kernel = _prefill_kernel(k, dk, dv)
+    kernel = _prefill_kernel(k, dk, dv, kc)
     if kernel:  # formed again after the solve: not alive during it
         del decay
     # (I + L)^-1 of both right-hand sides in one solve; unitriangular: the unit diagonal is
@@ -146,10 +147,11 @@ def _decay(gamma: Tensor) -> Tensor:
     return _exp_((gamma[..., :, None] - gamma[..., None, :]).tril_()).tril_()
 
 
-def _prefill_kernel(t: Tensor, dk: int, dv: int) -> bool:
+def _prefill_kernel(t: Tensor, dk: int, dv: int, kc: KernelConfig) -> bool:
     """Whether delta_rule_block runs its scan and output as the Triton kernel
-    (ftchat/kernels/gdn_prefill.py): CUDA tensors with Triton (`use_fused`), supported dims."""
-    return use_fused(t) and gdn_prefill_supported(dk, dv)
+    (ftchat/kernels/gdn_prefill.py): fused kernels on for t's device (KernelConfig.runs_fused),
+    supported dims."""
+    return kc.runs_fused(t) and gdn_prefill_supported(dk, dv)
 
 
 # e^x for x below this is subnormal in fp32 (nothing next to the other terms of a sum), and the
@@ -207,38 +209,30 @@ def fuse_gdn_layers(tensors: dict[str, Tensor], layers: list[dict]) -> None:
     fuse_layers(tensors, layers, "linear_attn", fuse_gdn_projections)
 
 
-def gdn_mixer(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:
+def gdn_mixer(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs, *,
+              kc: KernelConfig = DEFAULT) -> Tensor:
     """x [B, T, D] -> [B, T, D]; conv_state [B, C, Kc-1] and S [B, Hv, dk, dv] advance in place.
     CUDA decode (T == 1): the fused path; otherwise (CPU, prefill) the torch reference."""
-    if x.shape[1] == 1 and use_fused(x) and gdn_decode_supported(_dims(a)):
-        return gdn_decode_fused(x, w, conv_state, S, a)
-    return gdn_mixer_ref(x, w, conv_state, S, a)
+    if x.shape[1] == 1 and kc.runs_fused(x) and gdn_decode_supported(_dims(a)):
+        return gdn_decode_fused(x, w, conv_state, S, a, kc=kc)
+    return gdn_mixer_ref(x, w, conv_state, S, a, kc=kc)
 
 
-def gdn_decode_fused(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:
+def gdn_decode_fused(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs, *,
+                     kc: KernelConfig = DEFAULT) -> Tensor:
     """One decode step x [B, 1, D] -> [B, 1, D]: fused projection GEMV, the Triton kernel
     (conv, q/k norm, gates, delta rule, gated norm), out_proj. Static shapes, no host sync."""
     if FUSED in w:
         proj = F.linear(x[:, 0], w[FUSED])  # [B, N]
     elif FUSED_NVFP4 in w and FUSED_BA in w:  # qkv | z packed, b | a the bf16 tail: one launch
         q4 = w[FUSED_NVFP4]
-        proj = nvfp4_gemv.linear(x[:, 0], q4.packed, q4.scale, q4.g, tail=w[FUSED_BA])
+        proj = nvfp4_gemv.linear(x[:, 0], q4.packed, q4.scale, q4.g, tail=w[FUSED_BA], kc=kc)
     else:  # weights that could not be fused (e.g. kept in another format): four GEMVs
-        proj = torch.cat([F.linear(x[:, 0], dense(w[n], x.dtype)) for n in PROJECTIONS], dim=-1)
-    # the recurrence kernel asks L2 for out_proj's weight while it runs (latency-bound)
+        proj = torch.cat([F.linear(x[:, 0], dense(w[n], x.dtype, kc)) for n in PROJECTIONS],
+                         dim=-1)
     o = gdn_decode_step(proj, conv_state, S, w["conv1d.weight"], w["A_log"], w["dt_bias"],
-                        w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type,
-                        prefetch=w["out_proj.weight"])
-    return gemv.linear(o, w["out_proj.weight"])[:, None]  # [B, 1, D]
-
-
-def decode_input_weight(w: dict) -> Tensor | None:
-    """The weight a CUDA decode step of the layer reads first (its fused input projection: the
-    NVFP4 codes where qkv / z stay packed), which the HC read before it may ask L2 for
-    (ftchat/kernels/l2_prefetch.py); None where the projections were not fused."""
-    if FUSED in w:
-        return w[FUSED]
-    return w[FUSED_NVFP4].packed if FUSED_NVFP4 in w else None
+                        w["norm.weight"], _dims(a), a.rms_norm_eps, a.output_gate_type, kc=kc)
+    return gemv.linear(o, w["out_proj.weight"], kc=kc)[:, None]  # [B, 1, D]
 
 
 def _dims(a: ModelArgs) -> tuple[int, int, int, int]:
@@ -249,21 +243,22 @@ def _dims(a: ModelArgs) -> tuple[int, int, int, int]:
 # ===== torch path and reference =====
 
 
-def dense(t: Tensor | Nvfp4Weight, dtype: torch.dtype) -> Tensor:
+def dense(t: Tensor | Nvfp4Weight, dtype: torch.dtype, kc: KernelConfig = DEFAULT) -> Tensor:
     """A projection weight as a dense tensor: an Nvfp4Weight dequantized to dtype (one kernel on
     CUDA, the bits of Nvfp4Weight.dequantize)."""
     if isinstance(t, Nvfp4Weight):
-        return nvfp4_dequant.dequantize(t.packed, t.scale, t.g, dtype)
+        return nvfp4_dequant.dequantize(t.packed, t.scale, t.g, dtype, kc=kc)
     return t
 
 
-def gdn_project(x: Tensor, w: dict) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def gdn_project(x: Tensor, w: dict, kc: KernelConfig = DEFAULT
+                ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The four input projections of x [B, T, D]: u [B, T, C], z [B, T, Hv*dv], b, a [B, T, Hv]."""
-    return tuple(F.linear(x, dense(w[n], x.dtype)) for n in PROJECTIONS)
+    return tuple(F.linear(x, dense(w[n], x.dtype, kc)) for n in PROJECTIONS)
 
 
 def gdn_core_ref(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tensor, S: Tensor,
-                 w: dict, a: ModelArgs) -> Tensor:
+                 w: dict, a: ModelArgs, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """Everything between the projections and out_proj, in torch: conv, q/k l2norm, gates, delta
     rule (T == 1: the recurrence, else chunked), gated norm -> [B, T, Hv*dv] in u's dtype.
 
@@ -273,17 +268,18 @@ def gdn_core_ref(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tens
     is per token; the rule's sub-blocks end on chunk bounds: `delta_rule_chunked`)."""
     T = u.shape[1]
     if T <= GDN_SUBBLOCK:
-        return gdn_core_block(u, z, b, g_in, conv_state, S, w, a)
+        return gdn_core_block(u, z, b, g_in, conv_state, S, w, a, kc=kc)
     _, Hv, _, dv = _dims(a)
     out = u.new_empty(*u.shape[:2], Hv * dv)
     for t0 in range(0, T, GDN_SUBBLOCK):
         p = slice(t0, t0 + GDN_SUBBLOCK)
-        out[:, p] = gdn_core_block(u[:, p], z[:, p], b[:, p], g_in[:, p], conv_state, S, w, a)
+        out[:, p] = gdn_core_block(u[:, p], z[:, p], b[:, p], g_in[:, p], conv_state, S, w, a,
+                                   kc=kc)
     return out
 
 
 def gdn_core_block(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Tensor,
-                   S: Tensor, w: dict, a: ModelArgs) -> Tensor:
+                   S: Tensor, w: dict, a: ModelArgs, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """`gdn_core_ref` of T <= GDN_SUBBLOCK tokens. Prefill (T > 1) lays q / k / v out heads
     first, [B, Hv, T, d] contiguous (what the chunked rule's batched matmuls read without
     copies), with T padded to whole chunks (the padded conv rows are 0: q, k, v of 0, and beta,
@@ -316,7 +312,7 @@ def gdn_core_block(u: Tensor, z: Tensor, b: Tensor, g_in: Tensor, conv_state: Te
         v = torch.empty(v.shape[0], Hv, v.shape[1], dv, dtype=torch.float32,
                         device=v.device).copy_(_heads(v, Hv, dv))
         del c
-        o = delta_rule_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), S)
+        o = delta_rule_chunked(q, k, v, g.transpose(1, 2), beta.transpose(1, 2), S, kc=kc)
         del q, k, v
         o = o[:, :, :T].transpose(1, 2)  # [B, T, Hv, dv]
     o = gated_rms_norm(o.to(u.dtype), z, w["norm.weight"], a.rms_norm_eps, a.output_gate_type)
@@ -328,7 +324,9 @@ def _heads(x: Tensor, H: int, d: int) -> Tensor:
     return x.unflatten(-1, (H, d)).transpose(1, 2)
 
 
-def gdn_mixer_ref(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs) -> Tensor:
+def gdn_mixer_ref(x: Tensor, w: dict, conv_state: Tensor, S: Tensor, a: ModelArgs, *,
+                  kc: KernelConfig = DEFAULT) -> Tensor:
     """x [B, T, D] -> [B, T, D] in torch; decode (T == 1) runs the recurrence, prefill chunks."""
-    u, z, b, g_in = gdn_project(x, w)
-    return F.linear(gdn_core_ref(u, z, b, g_in, conv_state, S, w, a), w["out_proj.weight"])
+    u, z, b, g_in = gdn_project(x, w, kc)
+    return F.linear(gdn_core_ref(u, z, b, g_in, conv_state, S, w, a, kc=kc),
+                    w["out_proj.weight"])

@@ -24,6 +24,7 @@ from torch import Tensor
 
 from ftchat.errors import ModelError
 from ftchat.kernels import ple_gather
+from ftchat.kernels.config import DEFAULT, KernelConfig
 
 DTYPES = {"BF16": (torch.bfloat16, 2), "F16": (torch.float16, 2), "F32": (torch.float32, 4),
           "F8_E4M3": (torch.float8_e4m3fn, 1)}
@@ -107,7 +108,7 @@ class HostTable:
     """The whole table in one host tensor `data` [N, d] in its stored dtype, plus the scalar
     scale. On CUDA `data` is pinned (engine.load_model) and `gather` reads it with the Triton
     kernel over UVA; elsewhere (CPU, no Triton) the torch reference gathers it. The pinning
-    ends when `data` is collected (offload.store.pin)."""
+    ends when `data` is collected (ftchat/host_memory.py)."""
 
     device = torch.device("cpu")
 
@@ -122,17 +123,18 @@ class HostTable:
         """rows [...] -> [..., d] in the model dtype on the CPU (the reference, as NGramTable)."""
         return ple_gather.dequantize(self.data[rows.cpu()], self.scale, self.dtype)
 
-    def gather(self, rows: Tensor, dtype: torch.dtype) -> Tensor:
+    def gather(self, rows: Tensor, dtype: torch.dtype, *, kc: KernelConfig = DEFAULT) -> Tensor:
         """E [..., nh*d] in dtype on rows' device for rows [..., nh] (kernel or reference)."""
-        return ple_gather.gather(self.data, self.scale, rows, dtype)
+        return ple_gather.gather(self.data, self.scale, rows, dtype, kc=kc)
 
-    def sync_free(self, device: torch.device, dtype: torch.dtype) -> bool:
+    def sync_free(self, device: torch.device, dtype: torch.dtype,
+                  kc: KernelConfig = DEFAULT) -> bool:
         """Whether `gather` on `device` runs without a host sync (so a CUDA graph can hold it):
-        on the CPU, or with the kernel (pinned data, CUDA + Triton, fused kernels on)."""
+        on the CPU, or with the kernel (pinned data, CUDA + Triton, fused kernels on in kc)."""
         if device.type == "cpu":
             return True
         probe = torch.empty(0, dtype=torch.int64, device=device)
-        return ple_gather.fused(self.data, probe, dtype)
+        return ple_gather.fused(self.data, probe, dtype, kc)
 
 
 def load_host_table(shards: list[tuple[Path, str]], scale: float | None, dtype: torch.dtype,

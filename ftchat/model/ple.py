@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import PLE_FUSED, ple_decode, use_fused
+from ftchat.kernels import ple_decode
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model.config import ModelArgs
 from ftchat.model.layers import rms_norm
 from ftchat.model.ngram_table import HostTable, NGramTable
@@ -83,46 +84,50 @@ def ngram_rows(ids: Tensor, ctx: Tensor, mult: Tensor, primes: Tensor, offsets: 
 
 # Tokens of a prefill the PLE layer forms at once: its [T, hc*D] transients (key, query, G and
 # their fp32 norms) exist for one sub-block at a time, not for the whole prefill call
-# (ftchat/vram_plan.py `_ple_block`); every op is per token but the conv, whose state carries
+# (qwen4_exp_memory.py `ple_block_bytes`); every op is per token but the conv, whose state carries
 PLE_SUBBLOCK = 1024
 
 
-def ple_residual(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Tensor:
-    """R + ple_layer(R, ids, w, state, a): the residual stream after the PLE layer. A CUDA
-    decode step with kernels.PLE_FUSED on runs the rows and the block in two kernels around the
+def ple_residual(R: Tensor, ids: Tensor, w: dict, ctx: Tensor, conv: Tensor, a: ModelArgs, *,
+                 kc: KernelConfig = DEFAULT) -> Tensor:
+    """R + ple_layer(R, ids, w, ctx, conv, a): the residual stream after the PLE layer. A CUDA
+    decode step (fused kernels on in kc) runs the rows and the block in two kernels around the
     GEMVs (ftchat/kernels/ple_decode.py; within a few bf16 ulps of this path)."""
-    if PLE_FUSED.value and use_fused(R) and ple_decode.supported(R):
+    if kc.runs_fused(R) and ple_decode.supported(R):
         rows = ple_decode.ngram_rows_decode(
-            ids, state["ctx"], w["ple_embedding.layer_multipliers"],
+            ids, ctx, w["ple_embedding.layer_multipliers"],
             w["ple_embedding.ngram_heads_vocab_sizes"], w["ple_embedding.ngram_heads_offsets"],
-            a.eos_token_id, a.heads_per_ngram)  # [B, 1, nh]
-        E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)  # [B, 1, nh*dh]
+            a.eos_token_id, a.heads_per_ngram, kc=kc)  # [B, 1, nh]
+        E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R, kc=kc)  # [B, 1, nh*dh]
         key, value = F.linear(E, w["key_proj.weight"]), F.linear(E, w["value_proj.weight"])
-        return ple_decode.ple_block_decode(R, key, value, w, state["conv"], a.rms_norm_eps,
-                                           a.ngram_size)
-    return R + ple_layer(R, ids, w, state, a)
+        return ple_decode.ple_block_decode(R, key, value, w, conv, a.rms_norm_eps,
+                                           a.ngram_size, kc=kc)
+    return R + ple_layer(R, ids, w, ctx, conv, a, kc=kc)
 
 
-def ple_layer(R: Tensor, ids: Tensor, w: dict, state: dict, a: ModelArgs) -> Tensor:
-    """Returns the PLE residual update [B, T, hc*D] for R [B, T, hc*D]; advances state['conv'].
+def ple_layer(R: Tensor, ids: Tensor, w: dict, ctx: Tensor, conv: Tensor, a: ModelArgs, *,
+              kc: KernelConfig = DEFAULT) -> Tensor:
+    """Returns the PLE residual update [B, T, hc*D] for R [B, T, hc*D] after the context ctx
+    [B, n-1] (token ids); advances conv [B, hc*D, (k-1)*dilation] in place.
     A prefill runs in sub-blocks of PLE_SUBBLOCK tokens (the same bits: per-token ops, and the
     conv's state passes from one sub-block to the next)."""
-    rows = ngram_rows(ids, state["ctx"], w["ple_embedding.layer_multipliers"],
+    rows = ngram_rows(ids, ctx, w["ple_embedding.layer_multipliers"],
                       w["ple_embedding.ngram_heads_vocab_sizes"], w["ple_embedding.ngram_heads_offsets"],
                       a.eos_token_id, a.heads_per_ngram)  # [B, T, nh]
     T = R.shape[1]
     if T <= PLE_SUBBLOCK:
-        return ple_block(R, rows, w, state["conv"], a)
+        return ple_block(R, rows, w, conv, a, kc=kc)
     out = torch.empty_like(R)
     for t0 in range(0, T, PLE_SUBBLOCK):
         p = slice(t0, t0 + PLE_SUBBLOCK)
-        out[:, p] = ple_block(R[:, p], rows[:, p], w, state["conv"], a)
+        out[:, p] = ple_block(R[:, p], rows[:, p], w, conv, a, kc=kc)
     return out
 
 
-def ple_block(R: Tensor, rows: Tensor, w: dict, conv: Tensor, a: ModelArgs) -> Tensor:
+def ple_block(R: Tensor, rows: Tensor, w: dict, conv: Tensor, a: ModelArgs, *,
+              kc: KernelConfig = DEFAULT) -> Tensor:
     """`ple_layer` of R [B, t, hc*D] with its table rows [B, t, nh]; advances conv in place."""
-    E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R)  # [B, t, nh*dh]
+    E = embedding(w["ple_embedding.ngram_embedding.weight"], rows, R, kc=kc)  # [B, t, nh*dh]
     key = rms_norm(F.linear(E, w["key_proj.weight"]), w["norm_key.weight"], a.rms_norm_eps,
                    a.hidden_size)  # the projection is freed at once (the VRAM plan's peak)
     value = F.linear(E, w["value_proj.weight"])  # [B, t, D]
@@ -143,12 +148,13 @@ def ple_mix(R: Tensor, key: Tensor, value: Tensor, w: dict, conv: Tensor, a: Mod
     return G + dilated_conv(N, conv, w["conv1d.weight"].squeeze(1), a.ngram_size)
 
 
-def embedding(emb: Tensor | NGramTable | HostTable, rows: Tensor, R: Tensor) -> Tensor:
+def embedding(emb: Tensor | NGramTable | HostTable, rows: Tensor, R: Tensor, *,
+              kc: KernelConfig = DEFAULT) -> Tensor:
     """E [B, T, nh*dh] in R's dtype on R's device: the table's rows [B, T, nh] concatenated
     (section 7.1), dequantized (7.4). A pinned host table on CUDA is gathered by the Triton
     kernel (no host sync: graph-capturable); files read in place (NGramTable) cost one."""
     if isinstance(emb, HostTable):
-        return emb.gather(rows, R.dtype)
+        return emb.gather(rows, R.dtype, kc=kc)
     return emb[rows.to(emb.device)].to(R.device, R.dtype).flatten(-2)
 
 

@@ -12,7 +12,7 @@ tokens and the attention over them; memory O(chunk * (L/r + budget)), never [T, 
 runs the decode's attention kernels with the chunk's queries as their rows, reading each
 query's selected tokens from the cache: no gather, chunks bounded by the block scores. The dense
 [B, T, L] selection mask (`select_tokens`, `dense_attention`) is the reference of both.
-Decode (T == 1) is O(budget): block scores from the cached compressed keys k̄ (cache['kbar'],
+Decode (T == 1) is O(budget): block scores from the cached compressed keys k̄ (cache.kbar,
 written once per block when its last token arrives), a fixed-size top-k and a gather of
 budget + r - 1 token slots. The block scores' shape depends on kv_len only, never on the data,
 so it can be captured in a CUDA graph (there kv_len is the whole capacity and the positions
@@ -39,12 +39,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import QSA_PROJ_GEMV, gemv, use_fused
-from ftchat.kernels.qsa_decode import (QsaDims, qsa_attention, qsa_decode_supported, qsa_prep,
+from ftchat.kernels import gemv
+from ftchat.kernels.config import DEFAULT, KernelConfig
+from ftchat.kernels.qsa_attention import qsa_attention
+from ftchat.kernels.qsa_decode import (QsaDims, qsa_decode_supported, qsa_prep,
                                        qsa_rank_keys)
 from ftchat.kernels.topk_select import topk_keys
 from ftchat.model.config import ModelArgs
-from ftchat.model.kv_cache import gather_kv, is_fp8, store_kv
+from ftchat.model.kv_cache import AttentionCache, gather_kv, store_kv
 from ftchat.model.layers import apply_rope, fuse_layers, fuse_rows, rms_norm, rope_cos_sin
 
 
@@ -92,10 +94,10 @@ def select_tokens(iq: Tensor, ik: Tensor, pos: Tensor, w: dict, a: ModelArgs) ->
     return causal & (in_block | tail)
 
 
-def write_block_keys(cache: dict, pos: Tensor, w: dict, a: ModelArgs) -> None:
+def write_block_keys(cache: AttentionCache, pos: Tensor, w: dict, a: ModelArgs) -> None:
     """Store k̄ of every block completed by the tokens at pos [B, T] (their raw ik already cached)
-    in cache['kbar'] [B, Lmax // r, di]: block b completes with its last token r*b + r - 1."""
-    ik, kbar = cache["ik"], cache["kbar"]
+    in cache.kbar [B, Lmax // r, di]: block b completes with its last token r*b + r - 1."""
+    ik, kbar = cache.ik, cache.kbar
     r, Nmax = a.indexer_compress_ratio, kbar.shape[1]
     if Nmax == 0:
         return
@@ -181,10 +183,11 @@ def attend(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor, a: ModelArgs) ->
     return (probs @ vals).transpose(1, 2).flatten(-2)
 
 
-def dense_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int, w: dict,
+def dense_attention(q: Tensor, iq: Tensor, cache: AttentionCache, pos: Tensor, kv_len: int,
+                    w: dict,
                     a: ModelArgs) -> Tensor:
     """o [B, T, Hq*hd] over the first kv_len cache entries under the dense selection mask."""
-    mask = select_tokens(iq, cache["ik"][:, :kv_len], pos, w, a)  # [B, T, L]
+    mask = select_tokens(iq, cache.ik[:, :kv_len], pos, w, a)  # [B, T, L]
     return attend(q, *gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype), mask, a)
 
 
@@ -196,7 +199,7 @@ def dense_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int
 # smaller chunks pay per-op overhead, larger ones fall out of cache); a GPU: large enough to
 # fill it. The CUDA kernel path (`prefill_attention_fused`) gathers nothing; its largest are the
 # block scores [tq, Hi, N] fp32: 64 MiB a tensor at 2^24 (64 queries at 255K, 1,024 at 16K) keeps
-# the attention below the other blocks of a prefill call (vram_plan) and still fills the GPU
+# the attention below the other blocks of a prefill call (the VRAM plan) and still fills the GPU
 # (tq * Hkv programs or more, at least 2 per SM).
 PREFILL_ELEMS = {"cpu": 1 << 19, "cuda": 1 << 26, "kernel": 1 << 24}
 
@@ -266,7 +269,7 @@ def attend_rows(q: Tensor, keys: Tensor, vals: Tensor, ok: Tensor) -> Tensor:
 
 # Scores [Hq, tq, L] of the causal prefill (short contexts) per query chunk: 2^24 elements keep
 # its softmax (fp32) at 64 MiB and the attention block below the sparse one at 3,072-token calls
-# (vram_plan), where 2,048 queries at once over 2,051 keys ran out of memory on the H200 under a
+# (the VRAM plan), where 2,048 queries at once over 2,051 keys ran out of memory on the H200 under a
 # 15.9 GiB budget (a ~0.9 GiB block); the CPU's tests never reach it
 CAUSAL_ELEMS = 1 << 24
 
@@ -304,8 +307,8 @@ def prefill_chunks(pos: Tensor, kv_len: int, a: ModelArgs, kernel: bool = False
             for i in range(0, len(lo), tq)]
 
 
-def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int, w: dict,
-                      a: ModelArgs) -> Tensor:
+def prefill_attention(q: Tensor, iq: Tensor, cache: AttentionCache, pos: Tensor, kv_len: int,
+                      w: dict, a: ModelArgs) -> Tensor:
     """o [B, T, Hq*hd] of T > 1 queries over the first kv_len cache entries, k̄ of every block
     the queries complete already cached. Short contexts (every complete block selected) are
     plain causal attention over L <= budget + r - 1; longer ones run in the chunks of queries of
@@ -319,7 +322,7 @@ def prefill_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: i
     rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
     out = []
     for part, span in prefill_chunks(pos, kv_len, a):
-        idx, ok = select_blocks_rows(iq[:, part], cache["kbar"], pos[:, part], span, a)
+        idx, ok = select_blocks_rows(iq[:, part], cache.kbar, pos[:, part], span, a)
         keys, vals = gather_kv(cache, (rows, idx), q.dtype)  # [B, tq, S, Hkv, hd]
         out.append(attend_rows(q[:, part], keys, vals, ok))
     return torch.cat(out, dim=1)
@@ -331,60 +334,65 @@ def sparse_prefill(kv_len: int, a: ModelArgs) -> bool:
     return kv_len // a.indexer_compress_ratio > a.indexer_budget // a.indexer_compress_ratio
 
 
-def prefill_attention_fused(q: Tensor, gate: Tensor, iq: Tensor, cache: dict, pos: Tensor,
-                            kv_len: int, a: ModelArgs) -> Tensor:
+def prefill_attention_fused(q: Tensor, gate: Tensor, iq: Tensor, cache: AttentionCache,
+                            pos: Tensor, kv_len: int, a: ModelArgs, *,
+                            kc: KernelConfig = DEFAULT) -> Tensor:
     """`prefill_attention` times sigmoid(gate) for one row (B = 1) and a sparse kv_len, with
     the attention in the decode's kernels: og [1, T, Hq*hd] of q [1, T, Hq, hd], gate
     [1, T, Hq*hd], iq [1, T, Hi, di]. Per query chunk (`prefill_chunks`, kernel sizes) the
     same selection (`select_blocks_rows`), then `qsa_attention` with the chunk's queries as its
     rows over the one cache row (stride 0): each program reads its query's selected K/V from the
-    cache, nothing is gathered. Numerics: the decode's (qsa_decode module docstring)."""
+    cache, nothing is gathered. Numerics: the decode's (qsa_attention module docstring)."""
     Hq, hd = a.num_attention_heads, a.head_dim
     dims = qsa_dims(a)
-    names = ("k", "v", "k_scale", "v_scale") if is_fp8(cache) else ("k", "v")
     out = []
     for part, span in prefill_chunks(pos, kv_len, a, True):
-        idx, ok = select_blocks_rows(iq[:, part], cache["kbar"], pos[:, part], span, a)
+        idx, ok = select_blocks_rows(iq[:, part], cache.kbar, pos[:, part], span, a)
         tq = idx.shape[1]  # idx, ok [1, tq, S]
-        k, v, *scales = (cache[n][:1].expand(tq, *cache[n].shape[1:]) for n in names)  # [tq, L..]
+        k, v, *scales = (t[:1].expand(tq, *t.shape[1:])  # [tq, L, ..]
+                         for t in (cache.k, cache.v, *(cache.kv_scales() or ())))
         out.append(qsa_attention(q[0, part], gate[0, part].unflatten(-1, (Hq, hd)), k, v,
                                  pos[0, part], dims, idx=idx[0], ok=ok[0],
-                                 kv_scales=tuple(scales) or None))  # [tq, Hq*hd]
+                                 kv_scales=tuple(scales) or None, kc=kc))  # [tq, Hq*hd]
     return torch.cat(out)[None]
 
 
 def prefill_kernel_supported(a: ModelArgs, dtype: torch.dtype, rows: int) -> bool:
     """Whether a CUDA prefill of `rows` rows over a sparse kv_len runs `prefill_attention_fused`:
-    one row, a geometry and dtype the decode kernels take, FUSED_DECODE on."""
-    return FUSED_DECODE and rows == 1 and qsa_decode_supported(qsa_dims(a), dtype, rows)
+    one row, a geometry and dtype the decode kernels take."""
+    return rows == 1 and qsa_decode_supported(qsa_dims(a), dtype, rows)
 
 
-def sparse_attention(q: Tensor, iq: Tensor, cache: dict, pos: Tensor, kv_len: int, w: dict,
-                     a: ModelArgs) -> Tensor:
+def prefill_kernel(x: Tensor, kv_len: int, a: ModelArgs, kc: KernelConfig) -> bool:
+    """Whether the prefill of x [B, T, D] over kv_len entries runs its attention in the decode's
+    kernels (`prefill_attention_fused`): T > 1, a sparse kv_len, fused kernels on for x's device
+    (kc), a row and geometry they take."""
+    return (x.shape[1] > 1 and sparse_prefill(kv_len, a) and kc.runs_fused(x)
+            and prefill_kernel_supported(a, x.dtype, x.shape[0]))
+
+
+def sparse_attention(q: Tensor, iq: Tensor, cache: AttentionCache, pos: Tensor, kv_len: int,
+                     w: dict, a: ModelArgs) -> Tensor:
     """o [B, 1, Hq*hd] of one query per row over its <= budget + r - 1 selected tokens only."""
-    idx, ok = select_blocks(iq[:, 0], cache["kbar"], pos[:, 0], kv_len, a)  # [B, S]
+    idx, ok = select_blocks(iq[:, 0], cache.kbar, pos[:, 0], kv_len, a)  # [B, S]
     rows = torch.arange(idx.shape[0], device=idx.device)[:, None]
     keys, vals = gather_kv(cache, (rows, idx), q.dtype)  # [B, S, Hkv, hd]
     return attend(q, keys, vals, ok[:, None], a)
 
 
-# The fused decode on CUDA (tests/gpu/test_qsa_decode_gpu.py passed on the H200); False keeps
-# the torch decode there too (benchmarks compare the two).
-FUSED_DECODE = True
-
-
-def attention_mixer(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int, a: ModelArgs) -> Tensor:
-    """x [B, T, D] at positions pos [B, T] -> [B, T, D]; appends to cache['k'|'v'|'ik']
-    [B, Lmax, ...] and cache['kbar'] [B, Lmax // r, di] (blocks it completes).
+def attention_mixer(x: Tensor, w: dict, cache: AttentionCache, pos: Tensor, kv_len: int,
+                    a: ModelArgs, *, kc: KernelConfig = DEFAULT) -> Tensor:
+    """x [B, T, D] at positions pos [B, T] -> [B, T, D]; appends to cache.k, v, ik
+    [B, Lmax, ...] and cache.kbar [B, Lmax // r, di] (blocks it completes).
 
     Attends over the first kv_len cache entries (every query's own position is < kv_len):
     sparse per query chunk for T > 1 (`prefill_attention`), sparse for T == 1. A CUDA decode step
-    runs `attention_decode_fused`; the CPU, prefill and unsupported geometries
-    `attention_mixer_ref`."""
-    if (FUSED_DECODE and x.shape[1] == 1 and use_fused(x)
+    runs `attention_decode_fused` (fused kernels on in kc); the CPU, prefill and unsupported
+    geometries `attention_mixer_ref`."""
+    if (x.shape[1] == 1 and kc.runs_fused(x)
             and qsa_decode_supported(qsa_dims(a), x.dtype, x.shape[0])):
-        return attention_decode_fused(x, w, cache, pos, kv_len, a)
-    return attention_mixer_ref(x, w, cache, pos, kv_len, a)
+        return attention_decode_fused(x, w, cache, pos, kv_len, a, kc=kc)
+    return attention_mixer_ref(x, w, cache, pos, kv_len, a, kc=kc)
 
 
 # ===== fused decode (CUDA, T == 1) =====
@@ -395,59 +403,51 @@ def qsa_dims(a: ModelArgs) -> QsaDims:
                    a.indexer_head_dim, a.rotary_dim, a.indexer_compress_ratio)
 
 
-def decode_input_weight(w: dict) -> Tensor | None:
-    """The weight a CUDA decode step of the layer reads first (the fused projection), which the
-    HC read before it may ask L2 for (ftchat/kernels/l2_prefetch.py); None where not fused."""
-    return w.get(FUSED)
-
-
 def fused_projection(x: Tensor, w: dict) -> Tensor:
-    """proj [B, NP] = [q|gate | k | v | index q|k] of x [B, D]: one GEMV on w[FUSED] when the
-    load fused the four weights (`fuse_qsa_projections`), else four. cuBLAS, or the Triton
-    GEMV where kernels.QSA_PROJ_GEMV is on (`gemv.linear`: CUDA, <= 2 rows)."""
+    """proj [B, NP] = [q|gate | k | v | index q|k] of x [B, D]: one cuBLAS GEMV on w[FUSED] when
+    the load fused the four weights (`fuse_qsa_projections`), else four."""
     if FUSED in w:
-        return gemv.linear(x, w[FUSED]) if QSA_PROJ_GEMV.value else F.linear(x, w[FUSED])
+        return F.linear(x, w[FUSED])
     return torch.cat([F.linear(x, w[n]) for n in PROJECTIONS], dim=-1)
 
 
-def select_blocks_fused(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelArgs
-                        ) -> tuple[Tensor, Tensor]:
+def select_blocks_fused(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelArgs, *,
+                        kc: KernelConfig = DEFAULT) -> tuple[Tensor, Tensor]:
     """(block indices [B, K], ranking keys [B, K]; a key < 0 marks no block) of `select_blocks`:
     scores and keys in one kernel, then the exact top-k of the same keys (the set torch.topk
     gives, in ascending block order: ftchat/kernels/topk_select.py). iq [B, Hi, di]; kbar
     [B, Nmax, di]; pos [B, 1]."""
     r = a.indexer_compress_ratio
     N, K = decode_blocks(kv_len, a)
-    keys = qsa_rank_keys(iq, kbar, pos, N, r)  # [B, N]; N may pass kbar's rows (ranked -1)
-    return topk_keys(keys, K)  # the radix select (ascending block index)
+    keys = qsa_rank_keys(iq, kbar, pos, N, r, kc=kc)  # [B, N]; N may pass kbar's rows (-1)
+    return topk_keys(keys, K, kc=kc)  # the radix select (ascending block index)
 
 
-def attention_decode_fused(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,
-                           a: ModelArgs) -> Tensor:
+def attention_decode_fused(x: Tensor, w: dict, cache: AttentionCache, pos: Tensor, kv_len: int,
+                           a: ModelArgs, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """One decode step x [B, 1, D] -> [B, 1, D] (docs/model.md 4.5): the fused projection GEMV,
-    norms + RoPE + cache and k̄ writes (one kernel), block keys + torch.topk, split attention and
-    the gated combine (two kernels), o_proj. Static shapes (kv_len only), no host sync."""
+    norms + RoPE + cache and k̄ writes (one kernel), block keys and their top-k, split attention
+    and the gated combine (two kernels), o_proj. Static shapes (kv_len only), no host sync."""
     dims = qsa_dims(a)
     proj = fused_projection(x[:, 0], w)  # [B, NP]
     norms = tuple(w[n] for n in ("q_norm.weight", "k_norm.weight", "indexer.q_layernorm.weight",
                                  "indexer.k_layernorm.weight"))
-    # the prep kernel asks L2 for o_proj's weight while rank, attention and combine run
-    q, iq = qsa_prep(proj, pos, cache, norms, dims, a.rms_norm_eps, a.rope_theta,
-                     prefetch=w["o_proj.weight"])
-    blocks, keys = select_blocks_fused(iq, cache["kbar"], pos, kv_len, a)
+    q, iq = qsa_prep(proj, pos, cache.k, cache.v, cache.ik, cache.kbar, norms, dims,
+                     a.rms_norm_eps, a.rope_theta, cache.kv_scales(), kc=kc)
+    blocks, keys = select_blocks_fused(iq, cache.kbar, pos, kv_len, a, kc=kc)
     hd = a.head_dim
     gate = proj[:, : dims.heads * 2 * hd].unflatten(-1, (dims.heads, 2 * hd))[..., hd:]  # [B, Hq, hd]
-    scales = (cache["k_scale"], cache["v_scale"]) if is_fp8(cache) else None
-    o = qsa_attention(q, gate, cache["k"], cache["v"], pos, dims, blocks=blocks, block_keys=keys,
-                      kv_scales=scales)
-    return gemv.linear(o, w["o_proj.weight"])[:, None]
+    o = qsa_attention(q, gate, cache.k, cache.v, pos, dims, blocks=blocks, block_keys=keys,
+                      kv_scales=cache.kv_scales(), kc=kc)
+    return gemv.linear(o, w["o_proj.weight"], kc=kc)[:, None]
 
 
 # ===== torch path and reference =====
 
 
-def attention_inputs_ref(qg: Tensor, k: Tensor, v: Tensor, iqk: Tensor, w: dict, cache: dict,
-                         pos: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor, Tensor]:
+def attention_inputs_ref(qg: Tensor, k: Tensor, v: Tensor, iqk: Tensor, w: dict,
+                         cache: AttentionCache, pos: Tensor, a: ModelArgs
+                         ) -> tuple[Tensor, Tensor, Tensor]:
     """The work between the projections and the attention, in torch: qg [B, T, Hq*2hd],
     k, v [B, T, Hkv*hd], iqk [B, T, (Hi+1)*di] -> q [B, T, Hq, hd], gate [B, T, Hq*hd],
     iq [B, T, Hi, di] (normed, roped); k, v, the raw ik and k̄ written to the cache at pos."""
@@ -467,13 +467,13 @@ def attention_inputs_ref(qg: Tensor, k: Tensor, v: Tensor, iqk: Tensor, w: dict,
     iq = apply_rope(iq, cos[:, :, None], sin[:, :, None])
     rows = torch.arange(B, device=qg.device)[:, None].expand(B, T)
     store_kv(cache, (rows, pos), k, v)  # model dtype, or FP8 codes and scales
-    cache["ik"][rows, pos] = iqk[..., Hi * di :]
+    cache.ik[rows, pos] = iqk[..., Hi * di :]
     write_block_keys(cache, pos, w, a)
     return q, gate, iq
 
 
-def attention_mixer_ref(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: int,
-                        a: ModelArgs) -> Tensor:
+def attention_mixer_ref(x: Tensor, w: dict, cache: AttentionCache, pos: Tensor, kv_len: int,
+                        a: ModelArgs, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """`attention_mixer` in torch (CPU, prefill; the reference of the fused decode). A CUDA
     prefill of one row past the budget runs its attention and gate in the decode's kernels
     (`prefill_attention_fused`), the rest as here."""
@@ -483,9 +483,8 @@ def attention_mixer_ref(x: Tensor, w: dict, cache: dict, pos: Tensor, kv_len: in
     v = F.linear(x, w["v_proj.weight"])
     iqk = F.linear(x, w["indexer.index_qk_proj.weight"])  # [B, T, (Hi+1)*di]
     q, gate, iq = attention_inputs_ref(qg, k, v, iqk, w, cache, pos, a)
-    if (T > 1 and sparse_prefill(kv_len, a) and use_fused(x)
-            and prefill_kernel_supported(a, x.dtype, x.shape[0])):
-        og = prefill_attention_fused(q, gate, iq, cache, pos, kv_len, a)  # o * sigmoid(gate)
+    if prefill_kernel(x, kv_len, a, kc):
+        og = prefill_attention_fused(q, gate, iq, cache, pos, kv_len, a, kc=kc)  # o*sigmoid(g)
         return F.linear(og, w["o_proj.weight"])
     mix = sparse_attention if T == 1 else prefill_attention
     o = mix(q, iq, cache, pos, kv_len, w, a)  # [B, T, Hq*hd]

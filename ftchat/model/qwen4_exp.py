@@ -7,33 +7,38 @@ per-request state (DecodeState) and the routed-expert backend come in as argumen
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import gemv, hyper, router, use_fused
+from ftchat.kernels import gemv, hyper, router
+from ftchat.kernels.config import DEFAULT, KernelConfig
+from ftchat.kernels.routed_experts import DECODE_MAX_TOKENS
+from ftchat.kernels.shared_expert import shared_down
 from ftchat.model.config import ModelArgs
-from ftchat.model.expert_backend import ExpertBackend, SharedIn, SharedOut
+from ftchat.model.expert_backend import ExpertBackend, SharedOut
 from ftchat.model.embedding import EMBED, embed
-from ftchat.model.gdn import (decode_input_weight as gdn_input_weight, fuse_gdn_layers,
-                              gdn_mixer)
+from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import (ROUTER, SHARED_FUSED, fuse_moe_layers, rms_norm,
                                   shared_expert_ref)
 from ftchat.model.ple import ple_residual
-from ftchat.model.qsa import (attention_mixer, decode_input_weight as qsa_input_weight,
-                              fuse_qsa_layers)
+from ftchat.model.qsa import attention_mixer, fuse_qsa_layers
 from ftchat.model.state import DecodeState
-from ftchat.offload import expert_kernels as ek
 
 BLOCKS = ("ple", "attn_hyper_connection", "self_attn", "linear_attn", "mlp_hyper_connection", "mlp")
 
 
 class Weights:
     """Dense weights by checkpoint name (routed experts live in rows elsewhere), grouped once:
-    layers[i][block] holds `layers.{i}.{block}.*` with the prefix stripped."""
+    layers[i][block] holds `layers.{i}.{block}.*` with the prefix stripped. `kernels`: the
+    kernel configuration every kernel of the forward pass runs with (ftchat/kernels/config.py)."""
 
-    def __init__(self, tensors: dict[str, Tensor], num_layers: int):
+    def __init__(self, tensors: dict[str, Tensor], num_layers: int,
+                 kernels: KernelConfig = DEFAULT):
         self.tensors = tensors
+        self.kernels = kernels
         self.layers = [
             {b: _sub(tensors, f"layers.{i}.{b}.") for b in BLOCKS} for i in range(num_layers)
         ]
@@ -45,24 +50,33 @@ class Weights:
     def __getitem__(self, name: str) -> Tensor:
         return self.tensors[name]
 
+    def with_kernels(self, kernels: KernelConfig) -> Weights:
+        """The same weights (shared, not copied) run with another kernel configuration: a bench
+        arm's."""
+        view = copy.copy(self)
+        view.kernels = kernels
+        return view
 
-def _fused(t: Tensor, max_rows: int) -> bool:
-    # the Triton decode kernels: CUDA, bf16/fp32, at most max_rows rows (shapes only, no sync)
-    return (use_fused(t) and t.dtype in (torch.bfloat16, torch.float32)
+
+def _fused(t: Tensor, max_rows: int, kc: KernelConfig) -> bool:
+    # the Triton decode kernels: on in kc, CUDA, bf16/fp32, at most max_rows rows (shapes only)
+    return (kc.runs_fused(t) and t.dtype in (torch.bfloat16, torch.float32)
             and t.numel() <= max_rows * t.shape[-1])
 
 
-def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
+def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True, *,
+            kc: KernelConfig = DEFAULT):
     """Hyper-connection mix: block input x [.., D] and injection weights s [.., hc] from
     R [.., hc*D]. Fused kernels (ftchat/kernels/hyper.py) for CUDA decode, else `hc_read_ref`."""
-    if not _fused(R, hyper.HC_MAX_ROWS):
+    if not _fused(R, hyper.HC_MAX_ROWS, kc):
         return hc_read_ref(R, w, a, inject)
-    _, x, s = hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, inject=inject)
+    _, x, s = hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, inject=inject, kc=kc)
     return (x, s) if inject else x
 
 
 # Tokens of a prefill the hyper-connection read forms at once: its fp32 RMSNorm of [T, hc*D]
-# exists for one sub-block at a time (ftchat/vram_plan.py `_hc_mix`); every op is per token
+# exists for one sub-block at a time (qwen4_exp_memory.py `hc_mix_bytes`); every op is per
+# token
 HC_SUBBLOCK = 1024
 
 
@@ -91,10 +105,10 @@ def hc_read_block(R: Tensor, w: dict, a: ModelArgs, inject: bool = True):
     return x, s
 
 
-def hc_write(R: Tensor, y: Tensor, s: Tensor) -> Tensor:
+def hc_write(R: Tensor, y: Tensor, s: Tensor, *, kc: KernelConfig = DEFAULT) -> Tensor:
     """R_i += s_i * y for every stream i (out of place); one kernel on CUDA decode."""
-    if _fused(R, hyper.HC_MAX_ROWS):
-        return hyper.hc_write_triton(R, y, s)
+    if _fused(R, hyper.HC_MAX_ROWS, kc):
+        return hyper.hc_write_triton(R, y, s, kc=kc)
     return hc_write_ref(R, y, s)
 
 
@@ -103,29 +117,27 @@ def hc_write_ref(R: Tensor, y: Tensor, s: Tensor) -> Tensor:
 
 
 def hc_write_read(R: Tensor, y: Tensor | None, s: Tensor | None, w: dict, a: ModelArgs,
-                  inject: bool = True, prefetch: Tensor | None = None
+                  inject: bool = True, *, kc: KernelConfig = DEFAULT
                   ) -> tuple[Tensor, Tensor, Tensor | None]:
     """The previous block's write then the next mix: (R', x, s') with R' = hc_write(R, y, s)
     (R when y is None) and x, s' = hc_read(R'); s' is None without inject. On CUDA decode the
-    write rides in the read's two kernels (they read R anyway), so it costs no launch; prefetch
-    (the weight the next block reads first) is asked of L2 by them where kernels.L2_PREFETCH
-    is on."""
-    if _fused(R, hyper.HC_MAX_ROWS):
-        return hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, y, s, inject,
-                                   prefetch=prefetch)
+    write rides in the read's two kernels (they read R anyway), so it costs no launch."""
+    if _fused(R, hyper.HC_MAX_ROWS, kc):
+        return hyper.hc_mix_triton(R, w, a.hc_count, a.rms_norm_eps, y, s, inject, kc=kc)
     if y is not None:
         R = hc_write_ref(R, y, s)
     out = hc_read_ref(R, w, a, inject)
     return (R, *out) if inject else (R, out, None)
 
 
-def route(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
+def route(x: Tensor, gate_w: Tensor, a: ModelArgs, *, kc: KernelConfig = DEFAULT
+          ) -> tuple[Tensor, Tensor]:
     """Softmax router: top-k ids [T, K] and weights [T, K] (renormalised, model dtype).
     On CUDA decode: the GEMV, then one kernel (ftchat/kernels/router.py), else `route_ref`."""
-    if not _fused(x, router.ROUTER_MAX_ROWS):
+    if not _fused(x, router.ROUTER_MAX_ROWS, kc):
         return route_ref(x, gate_w, a)
     logits = F.linear(x, gate_w)  # [T, E], the reference's GEMV: identical logits
-    return router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob)
+    return router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob, kc=kc)
 
 
 def route_ref(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
@@ -137,61 +149,50 @@ def route_ref(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
     return ids, top.to(x.dtype)
 
 
-def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs) -> Tensor:
+def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs, *,
+              kc: KernelConfig = DEFAULT) -> Tensor:
     """x [B, T, D] -> [B, T, D]: routed experts (through the backend) plus the gated shared expert
     (docs/model.md section 5.1), the shared expert computed while the routed rows are copied.
     CUDA decode (<= 8 rows, fused shared weights): `moe_decode_fused`; else the torch reference
     `routed + shared_expert_ref`."""
     xt = x.flatten(0, 1)  # [B*T, D]
-    if SHARED_FUSED in w and _fused(xt, ek.DECODE_MAX_TOKENS):
-        return moe_decode_fused(layer, xt, w, experts, a).view_as(x)
-    ids, weights = route(xt, w[ROUTER], a)
+    if SHARED_FUSED in w and _fused(xt, DECODE_MAX_TOKENS, kc):
+        return moe_decode_fused(layer, xt, w, experts, a, kc).view_as(x)
+    ids, weights = route(xt, w[ROUTER], a, kc=kc)
     pending = experts.begin(layer, xt, ids)
     shared = shared_expert_ref(xt, w)
     return (experts.finish(pending, xt, weights) + shared).view_as(x)
 
 
-# The router's top-k inside the MoE GEMV's launch (gemv.linear_topk_triton, bs <= 2): a launch
-# fewer a layer. Off: its weights may differ from the standalone top-k's by an fp32 ulp of the
-# softmax sum (the compiler's layout inside the GEMV); bench_hyper_router.py's moe_route op
-# times it
-ROUTE_IN_GEMV = False
-
-
-def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs
-                     ) -> Tensor:
+def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs,
+                     kc: KernelConfig) -> Tensor:
     """CUDA decode of the MoE block, xt [N, D] -> [N, D]: one GEMV on [gate | up | gate logit |
     router] (the router's rows when fused at load, else its own GEMV), the router kernel, the
-    backend's copies begin; the backend's routed kernel then runs the shared down GEMV of
-    silu(g) * u too (SharedIn: its own launch first; inside its kernel 1 at bs <= 2 where
-    kernels.SHARED_FOLD is on) and adds the gate and the sum. It rounds where torch does (bf16
+    backend's copies begin; the shared expert's down GEMV (overlapping the copies), then the
+    backend's routed kernel, which adds the gate and the sum. It rounds where torch does (bf16
     within ~an ulp); the router logits are the Triton GEMV's, so an expert whose logit ties the
     k-th within an ulp may be chosen otherwise than on the torch path (the identity tests
     compare arms of one path)."""
     I = w["shared_expert.down_proj.weight"].shape[1]
     E = w[SHARED_FUSED].shape[0] - (2 * I + 1)  # router rows fused in (0: kept apart)
-    if ROUTE_IN_GEMV and E > 0 and gemv.dispatches(xt, w[SHARED_FUSED]):
-        proj, ids, weights = gemv.linear_topk_triton(xt, w[SHARED_FUSED], E,
-                                                     a.num_experts_per_tok, a.norm_topk_prob)
-    else:
-        # [N, 2I + 1 (+ E)]; it asks L2 for the shared down weight the backend reads next
-        proj = gemv.linear(xt, w[SHARED_FUSED], prefetch=w["shared_expert.down_proj.weight"])
-        logits = proj[:, 2 * I + 1:] if E > 0 else F.linear(xt, w[ROUTER])
-        ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok,
-                                                 a.norm_topk_prob)
+    proj = gemv.linear(xt, w[SHARED_FUSED], kc=kc)  # [N, 2I + 1 (+ E)]
+    logits = proj[:, 2 * I + 1:] if E > 0 else F.linear(xt, w[ROUTER])
+    ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob,
+                                             kc=kc)
     pending = experts.begin(layer, xt, ids)
-    return experts.finish(pending, xt, weights, SharedIn(proj, w["shared_expert.down_proj.weight"]))
+    return experts.finish(pending, xt, weights, shared_expert_parts(xt, w, proj, kc=kc))
 
 
-def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None) -> SharedOut:
-    """The shared expert before its gate, for CUDA decode, in launches of its own: the fused
-    GEMV's output proj [N, 2I + 1 (+ E)] (computed here when not given), then the down GEMV of
-    h = silu(g) * u (`expert_kernels.shared_down`). The decode step hands the routed kernel
-    SharedIn instead, which runs the down GEMV (inside its kernel 1 where kernels.SHARED_FOLD
-    allows).
-    x [N, D] -> down [N, D], gate logit [N, 1] (a column view of proj)."""
-    proj = gemv.linear(x, w[SHARED_FUSED]) if proj is None else proj
-    return ek.shared_down(SharedIn(proj, w["shared_expert.down_proj.weight"]))
+def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None, *,
+                        kc: KernelConfig = DEFAULT) -> SharedOut:
+    """The shared expert before its gate, for CUDA decode: the fused GEMV's output proj
+    [N, 2I + 1 (+ E)] (computed here when not given), then the down GEMV of h = silu(g) * u
+    (ftchat/kernels/shared_expert.py). x [N, D] -> down [N, D], gate logit [N, 1] (a column
+    view of proj)."""
+    proj = gemv.linear(x, w[SHARED_FUSED], kc=kc) if proj is None else proj
+    down_w = w["shared_expert.down_proj.weight"]
+    I = down_w.shape[1]
+    return SharedOut(shared_down(proj, down_w, kc=kc), proj[:, 2 * I:2 * I + 1])
 
 
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,
@@ -204,40 +205,44 @@ def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: s
     The state rows (views) advance in place: KV, conv, recurrent, PLE context. Attention reads
     the first kv_len cache entries (> every position in pos).
     """
-    x = embed(W[EMBED], tokens)  # [B, T, D]; the table may sit in pinned host memory
+    kc = W.kernels  # every kernel below runs with it
+    x = embed(W[EMBED], tokens, kc=kc)  # [B, T, D]; the table may sit in pinned host memory
     R = x.repeat(1, 1, a.hc_count)  # [B, T, hc*D]
     y = s = None  # the last block's output and injection: its write R += s*y rides in the next read
     for i in range(a.num_hidden_layers):
         lw = W.layers[i]
         if i in a.ple_layers:
             if y is not None:
-                R, y = hc_write(R, y, s), None
-            ple = {"ctx": state.ple_ctx[rows], "conv": state.ple_conv[i][rows]}
-            R = ple_residual(R, tokens, lw["ple"], ple, a)  # R + the PLE layer's update
+                R, y = hc_write(R, y, s, kc=kc), None
+            R = ple_residual(R, tokens, lw["ple"], state.ple_ctx[rows], state.ple[i].conv[rows],
+                             a, kc=kc)  # R + the PLE layer's update
         attention = a.is_attention(i)
         mixer_w = lw["self_attn"] if attention else lw["linear_attn"]
-        first_w = qsa_input_weight(mixer_w) if attention else gdn_input_weight(mixer_w)
-        R, h, s = hc_write_read(R, y, s, lw["attn_hyper_connection"], a, prefetch=first_w)
+        R, h, s = hc_write_read(R, y, s, lw["attn_hyper_connection"], a, kc=kc)
+        cache = state.mixers[i].rows(rows)  # AttentionCache or GdnCache
         if attention:
-            cache = {k: c[rows] for k, c in state.kv[i].items()}
-            y = attention_mixer(h, mixer_w, cache, pos, kv_len, a)
+            y = attention_mixer(h, mixer_w, cache, pos, kv_len, a, kc=kc)
         else:
-            y = gdn_mixer(h, mixer_w, state.conv[i][rows], state.recurrent[i][rows], a)
-        R, h, s = hc_write_read(R, y, s, lw["mlp_hyper_connection"], a,
-                                prefetch=lw["mlp"].get(SHARED_FUSED))
-        y = moe_block(i, h, lw["mlp"], experts, a)
+            y = gdn_mixer(h, mixer_w, cache.conv, cache.recurrent, a, kc=kc)
+        R, h, s = hc_write_read(R, y, s, lw["mlp_hyper_connection"], a, kc=kc)
+        y = moe_block(i, h, lw["mlp"], experts, a, kc=kc)
     n = a.ngram_size - 1
     ctx = state.ple_ctx[rows]
     ctx.copy_(torch.cat([ctx, tokens.to(ctx.dtype)], dim=1)[:, -n:])
     if logits_at is None:
         return None  # only the state advances: R feeds nothing but the logits
-    # The pending write, the final mixer and lm_head are per token (ARCH.md 3.1: a grouped norm
+    # The pending write, the final mixer and lm_head are per token (docs/model.md 3: a grouped norm
     # and linears over each token's streams), so picking the rows first is the same math and a
     # long prefill chunk skips the [T, V] output. Bits may move by the summation order of a
     # GEMM of fewer rows, and on CUDA <= 8 rows take decode's fused mixer (within a bf16 ulp).
     R, y, s = R[:, logits_at], y[:, logits_at], s[:, logits_at]
-    _, h, _ = hc_write_read(R, y, s, W.final_mixer, a, inject=False, prefetch=W["lm_head.weight"])
+    _, h, _ = hc_write_read(R, y, s, W.final_mixer, a, inject=False, kc=kc)
     return F.linear(h, W["lm_head.weight"])
+
+
+def routers(W: Weights, a: ModelArgs) -> list[Tensor]:
+    """The router weight [E, D] of every layer (the offload backend's lookahead reads them)."""
+    return [W.layers[i]["mlp"][ROUTER] for i in range(a.num_hidden_layers)]
 
 
 def _sub(w: dict, prefix: str) -> dict:

@@ -63,7 +63,7 @@ def layer_specs(i: int, a: ModelArgs) -> dict[str, TensorSpec]:
         conv_dim = 2 * Hk * dk + Hv * dv
         g = f"{p}.linear_attn"
         s.update({
-            # the real checkpoint stores these two NVFP4 (ARCH 5.3): a decode GEMV reads them so
+            # the real checkpoint stores these two NVFP4 (model.md 11.5): a decode GEMV reads them so
             f"{g}.in_proj_qkv.weight": TensorSpec((conv_dim, D), LINEAR, True, True),
             f"{g}.in_proj_z.weight": TensorSpec((Hv * dv, D), LINEAR, True, True),
             f"{g}.in_proj_b.weight": TensorSpec((Hv, D), LINEAR),

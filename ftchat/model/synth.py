@@ -26,6 +26,7 @@ from torch import Tensor
 
 from ftchat.errors import FtchatError
 from ftchat.codecs import nvfp4
+from ftchat.codecs.rows import RowLayout
 from ftchat.model.config import ModelArgs
 from ftchat.model.ple import layer_multipliers, table_rows
 from ftchat.model.spec import dense_specs, expert_name, expert_specs
@@ -36,7 +37,7 @@ FORMATS = ("bf16", nvfp4.MODELOPT, nvfp4.COMPRESSED_TENSORS)
 STORED_DTYPE = torch.bfloat16  # every float tensor of a synthetic checkpoint (experts too, in bf16)
 LM_HEAD = "lm_head.weight"  # the one name outside the text prefix
 DENSE = ("bf16", "nvfp4")  # the dense projections as stored: bf16, or NVFP4_DENSE in NVFP4
-NVFP4_DENSE = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight")  # ARCH 5.3
+NVFP4_DENSE = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight")  # model.md 11.5
 PLE_TABLES = ("bf16", "fp8")  # the n-gram table as stored: bf16, or fp8 e4m3 with a scalar scale
 PLE_FP8_SCALE = 6 / 448  # as fp32: |x| <= 6 sigma of the N(0, 1) table fits e4m3 (max 448)
 SHARD = ".ngram_embedding.shard_"
@@ -116,6 +117,18 @@ def hf_config(preset: str, layers: int | None, fmt: str, dense: str = "bf16") ->
     if fmt != "bf16":
         hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules(dense))
     return hf
+
+
+def model_args(preset: str, layers: int | None, fmt: str) -> ModelArgs:
+    """ModelArgs as read back from the checkpoint's config.json (a JSON round trip)."""
+    return ModelArgs.from_hf(json.loads(json.dumps(hf_config(preset, layers, fmt))))
+
+
+def row_layout(a: ModelArgs, fmt: str) -> RowLayout:
+    """Checkpoint.row_layout() of a synthetic checkpoint: bf16 experts are stored as bf16."""
+    if fmt == "bf16":
+        return RowLayout("bf16", a.hidden_size, a.moe_intermediate_size, STORED_DTYPE)
+    return RowLayout("nvfp4", a.hidden_size, a.moe_intermediate_size)
 
 
 def generation_config(preset: str) -> dict:
@@ -248,13 +261,17 @@ def _expert(layer: int, e: int, a: ModelArgs, fmt: str, gen: torch.Generator, fi
 # ===== the checkpoint writer =====
 
 
-_UMASK = os.umask(0)  # read once: os.umask can only be read by setting it
-os.umask(_UMASK)
+def _file_mode() -> int:
+    """The mode a new file gets under the process umask (os.umask reads it only by setting it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 class _ShardWriter:
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
+        self.mode = _file_mode()  # safetensors writes 0600; the shards match the other files
         self.pending: dict[str, Tensor] = {}
         self.size = 0
         self.files: list[tuple[str, list[str]]] = []
@@ -272,7 +289,7 @@ class _ShardWriter:
             return
         name = f"part-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(self.folder / name), metadata={"format": "pt"})
-        (self.folder / name).chmod(0o666 & ~_UMASK)  # safetensors writes 0600; match the rest
+        (self.folder / name).chmod(self.mode)
         self.files.append((name, list(self.pending)))
         self.total += self.size
         self.pending, self.size = {}, 0
@@ -298,7 +315,7 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
     weights_fn, if given, may replace each float tensor before it is written (tests use it).
     ple_table: the n-gram table as stored, bf16 (the default) or fp8 with a scale (`generate`).
     dense: "nvfp4" stores the GDN qkv and z projections (NVFP4_DENSE) quantized in fmt's
-    dialect, as the real checkpoint does (ARCH section 5.3; the loader dequantizes them).
+    dialect, as the real checkpoint does (docs/model.md 11.5; the loader keeps them NVFP4).
     """
     if fmt not in FORMATS:
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")

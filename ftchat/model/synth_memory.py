@@ -15,21 +15,22 @@ device's generator: the same tensors and distributions, deterministic per seed, 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from ftchat.engine import PLE_ON_DEVICE_BYTES, LoadedModel
-from ftchat.errors import FtchatError
 from ftchat.codecs import nvfp4
+from ftchat.codecs.nvfp4 import Nvfp4Weight
+from ftchat.codecs.rows import RowLayout
+from ftchat.engine import LoadedModel
+from ftchat.errors import FtchatError
+from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model import embedding, synth
 from ftchat.model.config import ModelArgs
-from ftchat.codecs.nvfp4 import Nvfp4Weight
-from ftchat.model.qwen4_exp import Weights
-from ftchat.codecs.rows import RowLayout
-from ftchat.model.synth import DenseTensor, ExpertTensors
+from ftchat.model.registry import family_of
+from ftchat.model.synth import DenseTensor, ExpertTensors, model_args, row_layout
+from ftchat.sizes import PLE_ON_DEVICE_BYTES
 
 SHARD = ".ngram_embedding.shard_"
 
@@ -37,7 +38,8 @@ SHARD = ".ngram_embedding.shard_"
 def synthetic_model(preset: str, layers: int | None = None, fmt: str = "bf16",
                     device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
                     seed: int = 0, progress: Callable[[str, int, int], None] | None = None,
-                    rng: str | torch.device | None = None, dense: str = "bf16") -> LoadedModel:
+                    rng: str | torch.device | None = None, dense: str = "bf16",
+                    kernels: KernelConfig = DEFAULT) -> LoadedModel:
     """The model `ftchat synth --preset P --layers N --format F --seed S --dense D` writes, as
     engine.load_model(folder, device, dtype) would return it (dense "nvfp4": the GDN qkv and z
     projections quantized and kept in NVFP4, as load_model keeps them).
@@ -76,20 +78,8 @@ def synthetic_model(preset: str, layers: int | None = None, fmt: str = "bf16",
     dense_w[synth.LM_HEAD] = head
     if embedding.host_placement(device):  # as load_model
         dense_w[embedding.EMBED] = embedding.to_host(dense_w[embedding.EMBED])
-    return LoadedModel(args, Weights(dense_w, args.num_hidden_layers), layout, host, device,
-                       dtype)
-
-
-def model_args(preset: str, layers: int | None, fmt: str) -> ModelArgs:
-    """ModelArgs as read back from the checkpoint's config.json (a JSON round trip)."""
-    return ModelArgs.from_hf(json.loads(json.dumps(synth.hf_config(preset, layers, fmt))))
-
-
-def row_layout(a: ModelArgs, fmt: str) -> RowLayout:
-    """Checkpoint.row_layout() of a synthetic checkpoint: bf16 experts are stored as bf16."""
-    if fmt == "bf16":
-        return RowLayout("bf16", a.hidden_size, a.moe_intermediate_size, synth.STORED_DTYPE)
-    return RowLayout("nvfp4", a.hidden_size, a.moe_intermediate_size)
+    weights = family_of(args).weights(dense_w, args.num_hidden_layers, kernels)
+    return LoadedModel(args, weights, layout, host, device, dtype)
 
 
 def _place(item: DenseTensor, device: torch.device, dtype: torch.dtype) -> Tensor:

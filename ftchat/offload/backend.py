@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ftchat.kernels import SLOT_VIEW
-from ftchat.model.expert_backend import Pending, SharedIn, SharedOut
+from ftchat.kernels.config import DEFAULT, KernelConfig
+from ftchat.model.expert_backend import Pending, SharedOut
 from ftchat.codecs.rows import RowLayout
 from ftchat.offload import cache as sc
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
-from ftchat.offload.expert_kernels import routed_experts_any
+from ftchat.offload.experts import routed_experts_any
 from ftchat.offload.hooks import BackendView, Hooks
 from ftchat.offload.policy import POLICIES
 from ftchat.offload.streams import CpuStreams, CudaStreams
@@ -74,22 +74,22 @@ class ResidentExperts(_NoCache):
 
     `begin` hands the kernel the layer's E rows as the bank (a view starting at row layer*E),
     so the router's ids are the slots as they are: no kernel runs between the router and the
-    routed experts (`kernels.SLOT_VIEW`; off: the whole bank and slots = ids + layer*E, two
-    torch kernels a layer)."""
+    routed experts. `kernels`: the kernel configuration its expert kernels run with."""
 
-    def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int):
+    def __init__(self, rows: Tensor, layout: RowLayout, num_experts: int,
+                 kernels: KernelConfig = DEFAULT):
         self.rows, self.layout, self.num_experts = rows, layout, num_experts
+        self.kernels = kernels
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         E = self.num_experts
-        if SLOT_VIEW.value:
-            return Pending(layer, ids, ids, self.rows[layer * E:(layer + 1) * E])
-        return Pending(layer, ids, (ids + layer * E).to(torch.int32), self.rows)
+        return Pending(layer, ids, ids, self.rows[layer * E:(layer + 1) * E])
 
     def finish(self, pending: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | SharedIn | None = None) -> Tensor:
+               shared: SharedOut | None = None) -> Tensor:
         p = pending
-        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
+        return routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared,
+                                  kc=self.kernels)
 
     def for_prefill(self) -> ResidentExperts:
         return self
@@ -120,8 +120,10 @@ class OffloadExperts:
     def __init__(self, host_rows: Tensor, layout: RowLayout, routers: list[Tensor],
                  attention_layers: set[int], cfg: OffloadConfig, device: torch.device,
                  streams: CpuStreams | CudaStreams, hooks: Hooks | None = None,
-                 predictor: Callable[[Tensor, Tensor, int], Tensor] | None = None):
+                 predictor: Callable[[Tensor, Tensor, int], Tensor] | None = None,
+                 kernels: KernelConfig = DEFAULT):
         self.predictor = predictor or router_lookahead
+        self.kernels = kernels  # the kernel configuration its expert kernels run with
         self.host, self.layout, self.cfg, self.device = host_rows, layout, cfg, device
         self.routers = routers  # gate.weight [E, D] per layer (dense, on device)
         self.num_layers, self.num_experts = len(routers), routers[0].shape[0]
@@ -152,7 +154,7 @@ class OffloadExperts:
         """Prefill reads its experts from the host rows (CPU) or a staging area (CUDA, filled
         from the host and from the slots it finds resident: `staged_prefill`)."""
         if self.device.type == "cpu":
-            return ResidentExperts(self.host, self.layout, self.num_experts)
+            return ResidentExperts(self.host, self.layout, self.num_experts, self.kernels)
         return self.staged_prefill()
 
     @property
@@ -173,7 +175,7 @@ class OffloadExperts:
             staging = self.bank[S - E - 1:S] if self.lends_staging else None  # not the sink row
             self.staged = StagedExperts(self.host, self.layout, E, self.device, self.streams,
                                         self.cfg.copy_programs, (self.maps.slot_of, self.bank),
-                                        staging=staging)
+                                        staging=staging, kernels=self.kernels)
         if self.lends_staging:
             # every prefetch copy is joined by its layer's step already, unless that step was cut
             # short: wait for all the prefetch stream holds (a fresh event: the ones kept in
@@ -228,10 +230,11 @@ class OffloadExperts:
         return Pending(layer, ids, plan.slots, self.bank, demand_done)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | SharedIn | None = None) -> Tensor:
+               shared: SharedOut | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
         self.hooks.before_kernel(self.view, p)
-        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
+        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared,
+                                 kc=self.kernels)
         self.hooks.after_kernel(self.view, p)
         return out
 
@@ -324,7 +327,7 @@ LEND_STAGING_FACTOR = 2
 
 
 def lends_staging(num_slots: int, num_experts: int) -> bool:
-    """Whether a bank of num_slots lends its last E+1 slots to prefill's staging (vram_plan.py
+    """Whether a bank of num_slots lends its last E+1 slots to prefill's staging (vram/plan.py
     plans the same)."""
     return num_slots >= LEND_STAGING_FACTOR * (num_experts + 1)
 
@@ -361,9 +364,11 @@ class StagedExperts(_NoCache):
 
     def __init__(self, host: Tensor, layout: RowLayout, num_experts: int, device: torch.device,
                  streams: CpuStreams | CudaStreams, programs: int, slots: tuple[Tensor, Tensor],
-                 stream_layers: bool = True, staging: Tensor | None = None):
+                 stream_layers: bool = True, staging: Tensor | None = None,
+                 kernels: KernelConfig = DEFAULT):
         self.host, self.layout, self.E, self.streams, self.programs = (
             host, layout, num_experts, streams, programs)
+        self.kernels = kernels
         self.slot_of, self.bank = slots  # the decode cache's [N+1] map and [S+1, R] bank: read only
         self.num_layers = (self.slot_of.numel() - 1) // num_experts
         self.stream_layers = stream_layers
@@ -418,9 +423,10 @@ class StagedExperts(_NoCache):
         copy_rows(self.bank, self.staging, slot_src, slot_dst, n_slot, self.programs)
 
     def finish(self, p: Pending, x: Tensor, weights: Tensor,
-               shared: SharedOut | SharedIn | None = None) -> Tensor:
+               shared: SharedOut | None = None) -> Tensor:
         self.streams.wait("compute", p.ready)
-        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared)
+        out = routed_experts_any(x, p.bank, self.layout, p.slots, p.ids, weights, shared,
+                                 kc=self.kernels)
         nxt = p.layer + 1
         if self.stream_layers and nxt < self.num_layers and x.shape[0] >= STREAM_MIN_TOKENS:
             every = torch.ones(self.E, dtype=torch.bool, device=x.device)

@@ -253,7 +253,8 @@ def _select_candidates(maps: SlotMaps, gid: Tensor, budget: int) -> tuple[Tensor
     return eligible & (rank < budget), rank, slot, resident
 
 
-def _check_budget(maps: SlotMaps, budget: int) -> None:
+def check_budget(maps: SlotMaps, budget: int) -> None:
+    """Raise unless 0 <= budget <= min(S, MAX_BUDGET - 1) (a prefetch plan's size)."""
     if not 0 <= budget <= min(maps.num_slots, MAX_BUDGET - 1):
         raise ValueError(f"budget must be in 0..{min(maps.num_slots, MAX_BUDGET - 1)}")
 
@@ -273,7 +274,7 @@ def prefetch_ensure(
         protect: slots being read (the previous demand plan's [B, K] slots): never evicted.
     Low-priority keys do not depend on the eviction policy, so it takes none.
     """
-    _check_budget(maps, budget)
+    check_budget(maps, budget)
     n, s = maps.num_ids, maps.num_slots
     gid = candidates.reshape(-1).long() + layer * maps.num_experts  # [C]
     selected, rank, slot, resident = _select_candidates(maps, gid, budget)
@@ -302,7 +303,7 @@ def prefetch_measure(
     Read-only. Call it before ensure(layer, routed_ids) so the maps are those prefetch_ensure
     would have seen. Victim availability (protect) is not modelled.
     """
-    _check_budget(maps, budget)
+    check_budget(maps, budget)
     base = layer * maps.num_experts
     gid = candidates.reshape(-1).long() + base  # [C]
     routed = routed_ids.reshape(-1).long() + base  # [M]

@@ -2,87 +2,18 @@
 
 A plan is src [M] int64 (host row = global expert id), dst [M] int32 (slot) and count [1] int32,
 all on the bank's device; entries >= count are unused (they point at the sinks: src N, dst S).
-bank is [S + 1, R] uint8: its last row is the sink that masked copies may write.
-On CUDA a Triton kernel reads the pinned host rows through their device alias (UVA) and never
-brings the count to the host; on CPU (or without Triton) a masked index copy does the same.
+The copies themselves are ftchat/kernels/row_copy.py's: its Triton kernel on CUDA, its torch
+twin on CPU (or without Triton).
 Legend: M plan entries, N host rows, S slots, R row bytes.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
+from ftchat.kernels import HAS_TRITON
+from ftchat.kernels.row_copy import copy_rows_ref, copy_rows_triton
 from ftchat.settings import DEFAULT_COPY_PROGRAMS
-from ftchat.kernels import HAS_TRITON, jit as _jit, tl, triton  # noqa: F401
-
-BLOCK_BYTES = 16384  # bytes a program moves per work item
-
-
-
-def _check(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor) -> None:
-    assert host.dtype == bank.dtype == torch.uint8, (host.dtype, bank.dtype)
-    assert host.dim() == bank.dim() == 2, (host.shape, bank.shape)
-    assert host.shape[1] == bank.shape[1], (host.shape, bank.shape)
-    assert host.is_contiguous() and bank.is_contiguous()
-    assert src.dtype == torch.int64 and dst.dtype == torch.int32 and count.dtype == torch.int32
-    assert src.shape == dst.shape and src.dim() == 1 and count.shape == (1,)
-    assert src.device == dst.device == count.device == bank.device
-
-
-# ===== torch path: CPU, and the reference =====
-
-
-def copy_rows_ref(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor) -> None:
-    """bank[dst[i]] = host[src[i]] for i < count. Fixed shapes: entries >= count copy host row 0
-    into the sink row S, so nothing here depends on the count's value on the host."""
-    _check(host, bank, src, dst, count)
-    live = torch.arange(src.shape[0], device=src.device) < count  # [M]
-    rows_src = torch.where(live, src, torch.zeros_like(src))  # [M]
-    rows_dst = torch.where(live, dst.long(), torch.full_like(src, bank.shape[0] - 1))  # [M]
-    if host.device == bank.device:
-        bank.index_copy_(0, rows_dst, host.index_select(0, rows_src))
-        return
-    # CUDA bank, host store in pinned memory, no Triton: one async copy per real entry.
-    # SYNC: the plan crosses to the host (fallback only; not capturable in a CUDA graph)
-    n = int(count.item())
-    for s, d in zip(src[:n].tolist(), dst[:n].tolist()):
-        bank[d].copy_(host[s], non_blocking=True)
-
-
-# ===== Triton path: CUDA (and the interpreter in tests) =====
-
-
-@_jit
-def _copy_rows_kernel(host_ptr, bank_ptr, src_ptr, dst_ptr, count_ptr, M, ROW,
-                      BLOCK: tl.constexpr, PROGRAMS: tl.constexpr):
-    # ROW: row length in elements of the pointers' type; one work item = (entry, block of a row)
-    n = tl.minimum(tl.load(count_ptr), M)
-    blocks = tl.cdiv(ROW, BLOCK)
-    offs = tl.arange(0, BLOCK)
-    for item in range(tl.program_id(0), n * blocks, PROGRAMS):
-        e = item // blocks
-        col = (item % blocks) * BLOCK + offs
-        ok = col < ROW
-        src = tl.load(src_ptr + e).to(tl.int64)
-        dst = tl.load(dst_ptr + e).to(tl.int64)
-        v = tl.load(host_ptr + src * ROW + col, mask=ok)
-        tl.store(bank_ptr + dst * ROW + col, v, mask=ok)
-
-
-def copy_rows_triton(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor,
-                     programs: int = DEFAULT_COPY_PROGRAMS, block_bytes: int = BLOCK_BYTES,
-                     num_warps: int = 4) -> None:
-    """The Triton copy: `programs` programs loop over (entry, block) work items; rows are moved
-    as int32 words (16-byte vector loads) when R % 4 == 0. Entries >= count are not touched."""
-    _check(host, bank, src, dst, count)
-    assert programs > 0 and block_bytes > 0 and block_bytes & (block_bytes - 1) == 0
-    word = 4 if host.shape[1] % 4 == 0 else 1
-    view = torch.int32 if word == 4 else torch.uint8
-    _copy_rows_kernel[(programs,)](
-        host.view(view), bank.view(view), src, dst, count, src.shape[0], host.shape[1] // word,
-        BLOCK=max(block_bytes // word, 1), PROGRAMS=programs, num_warps=num_warps,
-    )
 
 
 def copy_rows(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tensor,
@@ -93,7 +24,7 @@ def copy_rows(host: Tensor, bank: Tensor, src: Tensor, dst: Tensor, count: Tenso
         host: [N, R] uint8 host store (pinned on CUDA).
         bank: [S + 1, R] uint8 slot bank; row S is the sink.
         src, dst, count: the plan ([M] int64, [M] int32, [1] int32) on the bank's device.
-        programs: Triton programs on CUDA (FREETOKEN_MOE_SLIM_COPY); 0 picks the torch path.
+        programs: Triton programs on CUDA (settings.copy_programs); 0 picks the torch path.
     """
     if bank.is_cuda and programs > 0 and HAS_TRITON:
         copy_rows_triton(host, bank, src, dst, count, programs)

@@ -7,19 +7,31 @@ the backend itself.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ftchat.offload.backend import OffloadExperts
-    from ftchat.offload.cache import SlotMaps
+from ftchat.offload.cache import SlotMaps
+from ftchat.offload.streams import CpuStreams, CudaStreams
+
+
+class ViewedBackend(Protocol):
+    """What a BackendView reads of the backend (offload/backend.py `OffloadExperts`)."""
+
+    maps: SlotMaps
+    bank: Tensor
+    host: Tensor
+    num_experts: int
+    step: int
+    streams: CpuStreams | CudaStreams
+
+    def candidates(self, layer: int) -> Tensor: ...
 
 
 class BackendView:
     """The read-only face of an OffloadExperts that hooks receive."""
 
-    def __init__(self, backend: OffloadExperts):
+    def __init__(self, backend: ViewedBackend):
         self._b = backend
 
     @property

@@ -9,19 +9,22 @@ import json
 import struct
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 import torch
 
+from ftchat.codecs.rows import RowLayout
 from ftchat.errors import FtchatError, ModelError
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
-from ftchat.codecs.rows import RowLayout
-from ftchat.model.spec import dense_specs
+from ftchat.resolve import resolve_model
 from ftchat.settings import context_tokens
-
-if TYPE_CHECKING:
-    from ftchat.vram_plan import Workload
+from ftchat.sizes import PREFILL_CHUNK
+from ftchat.vram import search
+from ftchat.vram.items import GIB, Workload
+from ftchat.vram.plan import plan
+from ftchat.vram.workloads import (checkpoint_dense_nvfp4, checkpoint_inputs, run_context,
+                                   synthetic_inputs)
 
 DEFAULT_VRAM_GIB = (16.0, 24.0, 32.0, 80.0)
 GPU_DTYPE = torch.bfloat16  # what dense weights take on CUDA (--dtype auto)
@@ -56,7 +59,7 @@ def dense_gpu_bytes(ck: Checkpoint) -> tuple[int, int]:
     """(bytes on the GPU, bytes of the n-gram table kept in host memory) at GPU_DTYPE."""
     a, size = ck.args, torch.empty((), dtype=GPU_DTYPE).element_size()
     gpu = host = 0
-    for name, spec in dense_specs(a).items():
+    for name, spec in ck.family.dense_specs(a).items():
         n = 1
         for s in spec.shape:
             n *= s
@@ -122,9 +125,6 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
                  dense: str = "bf16") -> int:
     """`ftchat info`: the report, and the VRAM plan when a plan option is given (kv_given:
     --kv-cache-dtype was; kv_cache_dtype: the resolved setting, auto or fp8)."""
-    from ftchat import vram_plan as vp
-    from ftchat.resolve import resolve_model
-
     for gib in vram or []:
         if not gib > 0:
             raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
@@ -139,21 +139,21 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
         context, batch, slots, prefill))
     L = context_tokens(context) if context else None  # a bad value before any output
     if synthetic is not None:
-        a, layout = vp.synthetic_inputs(synthetic, layers, fmt, dense)
+        a, layout = synthetic_inputs(synthetic, layers, fmt, dense)
         lines = synthetic_lines(a, layout, synthetic, fmt)
         dense_nvfp4 = dense == "nvfp4"
     else:
         path = resolve_model(model, env).path
         lines = info_lines(path, vram, slot_lines=not planned)
-        a, layout = vp.checkpoint_inputs(path) if planned else (None, None)
-        dense_nvfp4 = planned and vp.checkpoint_dense_nvfp4(path)
+        a, layout = checkpoint_inputs(path) if planned else (None, None)
+        dense_nvfp4 = planned and checkpoint_dense_nvfp4(path)
     if planned:
-        L = L or vp.run_context(a, None)
+        L = L or run_context(a, None)
         check_context(a, L)
     out.write("\n".join(lines) + "\n")
     if planned:
-        w = vp.Workload(L, tuple(range(1, (batch or 1) + 1)), (slots,),
-                        min(prefill or vp.PREFILL_CHUNK, L), kv_cache_dtype=kv_cache_dtype,
+        w = Workload(L, tuple(range(1, (batch or 1) + 1)), (slots,),
+                        min(prefill or PREFILL_CHUNK, L), kv_cache_dtype=kv_cache_dtype,
                         dense_nvfp4=dense_nvfp4)
         print_plan(a, layout, vram or list(DEFAULT_VRAM_GIB), w, out)
     return 0
@@ -185,13 +185,11 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
     from rich.console import Console
     from rich.table import Table
 
-    from ftchat import vram_plan as vp
-
     given = w.banks[0]
     shown = given  # the slot count the table is at: given, else the first budget's (if any fit)
     if given is None and vram_gib:
-        shown = vp.slots_that_fit(a, layout, GPU_DTYPE, w, int(vram_gib[0] * vp.GIB)) or None
-    p = vp.plan(a, layout, GPU_DTYPE, w, shown or 0)
+        shown = search.slots_that_fit(a, layout, GPU_DTYPE, w, int(vram_gib[0] * GIB)) or None
+    p = plan(a, layout, GPU_DTYPE, w, shown or 0)
     rows = ", ".join(map(str, w.decoders))
     kv = ", K/V cache fp8" if w.kv_cache_dtype == "fp8" else ""
     table = Table(title=f"VRAM plan: context {w.context:,}, decoder rows {rows}, prefill "
@@ -201,20 +199,20 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
                       ("note", "left")):
         table.add_column(col, justify=just)
     for it in p.items[:-1]:
-        table.add_row(it.name, f"{it.nbytes / vp.GIB:.3f}", f"{it.nbytes:,}",
+        table.add_row(it.name, f"{it.nbytes / GIB:.3f}", f"{it.nbytes:,}",
                       "exact" if it.exact else "estimate", it.note)
     bank = p.items[-1]
-    per = vp.plan(a, layout, GPU_DTYPE, w, 1).total - vp.plan(a, layout, GPU_DTYPE, w, 0).total
+    per = plan(a, layout, GPU_DTYPE, w, 1).total - plan(a, layout, GPU_DTYPE, w, 0).total
     if shown is None:
-        table.add_row("total before the slots", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "",
+        table.add_row("total before the slots", f"{p.total / GIB:.3f}", f"{p.total:,}", "",
                       f"everything above, plus the slot bank's sink row ({layout.nbytes:,} B)")
     else:
-        table.add_row(bank.name, f"{bank.nbytes / vp.GIB:.3f}", f"{bank.nbytes:,}", "exact",
+        table.add_row(bank.name, f"{bank.nbytes / GIB:.3f}", f"{bank.nbytes:,}", "exact",
                       bank.note)
-        table.add_row("total", f"{p.total / vp.GIB:.3f}", f"{p.total:,}", "",
+        table.add_row("total", f"{p.total / GIB:.3f}", f"{p.total:,}", "",
                       "" if given is not None else f"at the slots that fit {vram_gib[0]:g} GiB")
     if given is None:
-        table.add_row("per expert slot", f"{per / vp.GIB:.5f}", f"{per:,}", "exact",
+        table.add_row("per expert slot", f"{per / GIB:.5f}", f"{per:,}", "exact",
                       f"one {layout.kind} row ({layout.nbytes:,} B) + its id_of/key entries")
     Console(file=out, width=None if out.isatty() else 170).print(table)
     for gib in vram_gib:
@@ -222,19 +220,17 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
 
 
 def _budget_line(a: ModelArgs, layout: RowLayout, w: Workload, gib: float) -> str:
-    from ftchat import vram_plan as vp
-
-    budget = int(gib * vp.GIB)
+    budget = int(gib * GIB)
     try:
-        p = vp.check(a, layout, GPU_DTYPE, w, budget, flag="")
+        p = search.check(a, layout, GPU_DTYPE, w, budget, flag="")
     except FtchatError as e:
         return str(e)  # "16 GiB does not fit ...", or a refused --slots
     n_rows = a.num_hidden_layers * a.num_experts
-    left = (budget - p.total) / vp.GIB
+    left = (budget - p.total) / GIB
     if w.banks[0] is not None:
         return (f"{gib:g} GiB: {p.slots:,} slots fit ({left:.2f} GiB left over), plan total "
-                f"{p.total / vp.GIB:.2f} GiB")
+                f"{p.total / GIB:.2f} GiB")
     share = "all experts fit" if p.slots == n_rows else f"{p.slots / n_rows:.1%} of the experts"
     return (f"{gib:g} GiB: {p.slots:,} slots fit ({share}; slot bank "
-            f"{p.items[-1].nbytes / vp.GIB:.2f} GiB, plan total {p.total / vp.GIB:.2f} GiB, "
+            f"{p.items[-1].nbytes / GIB:.2f} GiB, plan total {p.total / GIB:.2f} GiB, "
             f"{left:.2f} GiB left over)")

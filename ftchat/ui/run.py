@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-
 import time
 from collections.abc import Mapping
 from typing import TextIO
 
+import torch
+
 from ftchat.errors import FtchatError
-from ftchat.model.config import check_context, load_args
+from ftchat.model.config import check_context
+from ftchat.model.registry import load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.session import Session
 from ftchat.settings import Settings
@@ -18,6 +20,9 @@ from ftchat.ui.chat import run_chat
 from ftchat.ui.panel import Screen, isatty
 from ftchat.ui.progress import progress_bar
 from ftchat.ui.tty import Terminal
+from ftchat.vram.search import choose_prefill_chunk
+from ftchat.vram.workloads import (budget_bytes, checkpoint_dense_nvfp4, checkpoint_inputs,
+                                   preflight, run_workload)
 
 
 def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: TextIO,
@@ -55,8 +60,6 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
 def apply_threads(settings: Settings) -> None:
     """--threads N: torch's CPU threads (intra-op), before any work."""
     if settings.threads is not None:
-        import torch
-
         torch.set_num_threads(settings.threads)
 
 
@@ -65,20 +68,17 @@ def plan_run(resolved: ResolvedModel, settings: Settings) -> Settings:
     below batch x top-k (one line), and cap the process at the budget on CUDA. Under a budget on
     CUDA with no --prefill-chunk, the chunk is chosen from the plan (`choose_prefill_chunk`);
     the settings returned carry it."""
-    from ftchat import vram_plan as vp
-
     if settings.vram_budget_gib is None and settings.slots is None \
             and settings.expert_vram_gib is None:
         return settings  # nothing to check: slots are sized after loading (free VRAM, or CPU)
-    a, layout = vp.checkpoint_inputs(resolved.path)
-    w = vp.run_workload(a, layout, settings)
-    w = dataclasses.replace(w, dense_nvfp4=vp.checkpoint_dense_nvfp4(resolved.path))
+    a, layout = checkpoint_inputs(resolved.path)
+    w = run_workload(a, layout, settings)
+    w = dataclasses.replace(w, dense_nvfp4=checkpoint_dense_nvfp4(resolved.path))
     if settings.prefill_chunk is None and settings.vram_budget_gib is not None and w.cuda:
-        chunk = vp.choose_prefill_chunk(a, layout, settings.torch_dtype(), w,
-                                        vp.budget_bytes(settings))
+        chunk = choose_prefill_chunk(a, layout, settings.torch_dtype(), w, budget_bytes(settings))
         settings = dataclasses.replace(settings, prefill_chunk=chunk)
         w = dataclasses.replace(w, prefill_tokens=min(chunk, w.context))
-    vp.preflight(a, layout, settings, w)
+    preflight(a, layout, settings, w)
     return settings
 
 

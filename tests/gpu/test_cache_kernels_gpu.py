@@ -1,8 +1,11 @@
-"""Fused slot-map kernels (cache_kernels.py) against the torch specification (cache.py).
+"""Fused slot-map kernels (ftchat/kernels/slot_cache.py, through offload/cache_kernels.py)
+against the torch specification (offload/cache.py).
 
 Two ways to run (the `gpu` marker is deselected by default, so name it):
     on the device (CUDA):  pytest -m gpu tests/gpu/test_cache_kernels_gpu.py
     on CPU, interpreter:   TRITON_INTERPRET=1 pytest -m gpu tests/gpu/test_cache_kernels_gpu.py
+The interpreter needs numpy < 2.4: Triton 3.6's interpreter holds a reduced scalar as a
+1-element array, which numpy 2.4 no longer converts to an int (the kernels' `range(picks)`).
 The random runs drive torch maps (CPU) and kernel maps side by side and require identical maps,
 counters and plans after every call. They take CACHE_KERNEL_STEPS steps each (default 400 on
 CUDA; 10 under the interpreter, where one kernel call costs ~0.1 s), after a warm-up that fills
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from ftchat.kernels import HAS_TRITON
 from ftchat.offload import cache
 from ftchat.offload import cache_kernels as ck
 from ftchat.offload.cache import SlotMaps, check_invariants
@@ -34,7 +38,7 @@ NONE = torch.empty(0, dtype=torch.int32)  # protect nothing
 
 @pytest.fixture(autouse=True)
 def _triton():
-    assert ck.HAS_TRITON, "these tests need triton"
+    assert HAS_TRITON, "these tests need triton"
     assert INTERPRET or torch.cuda.is_available(), "no CUDA: set TRITON_INTERPRET=1 to run on CPU"
 
 

@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 
+from ftchat.kernels import HAS_TRITON
+from ftchat.kernels.slot_cache import tiling
 from ftchat.offload import cache
 from ftchat.offload import cache_kernels as ck
 from ftchat.offload.cache import SlotMaps, check_invariants
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture(autouse=True)
 def _cuda():
-    assert ck.HAS_TRITON and torch.cuda.is_available(), "needs CUDA and triton"
+    assert HAS_TRITON and torch.cuda.is_available(), "needs CUDA and triton"
 
 
 def test_kernels_never_sync_the_host():
@@ -104,7 +106,7 @@ def test_graph_replay_equals_the_reference(bs, policy):
 
 def test_two_tiles_at_a_realistic_slot_count():
     # S = 5000 > MAX_TILE: the default launch takes the multi-tile path
-    assert ck._tiling(5000, None)[1] == 2
+    assert tiling(5000, None)[1] == 2
     cov = random_run(5000, 2, 10, 2048, RULE, None, seed=11, steps=300, warm=3000)
     assert cov.misses > 0 and cov.victim_bands >= {1, 2}
 
@@ -112,7 +114,7 @@ def test_two_tiles_at_a_realistic_slot_count():
 @pytest.mark.parametrize("warps", [4, 8, 16])
 def test_one_full_tile_at_the_decode_slot_count(warps):
     # S = 1650 (Flash-Next's ~6.7 %): one 2048-slot tile; the warp count is a launch choice only
-    assert ck._tiling(1650, None)[1] == 1
+    assert tiling(1650, None)[1] == 1
     cov = random_run(1650, 2, 10, 1024, RULE, None, seed=12, steps=200, warm=2000, warps=warps)
     assert cov.misses > 0 and cov.victim_bands >= {1, 2}
 

@@ -5,9 +5,9 @@ Two ways to run the same tests (the `gpu` marker is deselected by default, so na
     on the device (CUDA):        pytest -m gpu tests/gpu/test_gdn_prefill_gpu.py
     on CPU, Triton interpreter:  TRITON_INTERPRET=1 FTCHAT_TEST_DEVICE=cpu \\
                                  pytest -m gpu tests/gpu/test_gdn_prefill_gpu.py
-In the interpreter (CPU tensors) the dispatcher's `use_fused` is patched on where a test needs the
-kernel path; the reference is the same code with it off (on CUDA: `fused_kernels(False)`), so
-both arms share everything but the scan: the padding, q / k / v, the decay, L, the solve and
+The dispatcher's choice (`gdn._prefill_kernel`) is patched on where a test needs the kernel path
+(the interpreter's CPU tensors included); the reference is the same code with it off, so both
+arms share everything but the scan: the padding, q / k / v, the decay, L, the solve and
 tril(q kᵀ) * decay (formed in torch on both paths, the same ops).
 The real geometry (48 heads, 1,024 tokens and more) runs on CUDA only (minutes in the
 interpreter); the interpreter runs the real head dims (128) with fewer heads and tokens.
@@ -48,8 +48,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import fused_kernels
 from ftchat.kernels import gdn_prefill as gp
+from ftchat.kernels.config import KernelConfig
 from ftchat.model import gdn
 from tests.gpu.test_gdn_decode_gpu import (
     DEVICE,
@@ -73,13 +73,10 @@ def kernel_on(monkeypatch):
     CPU tensors included); `kernel_on(False)`: the torch path."""
     @contextmanager
     def switch(on: bool):
-        if CUDA:
-            with fused_kernels(on):
-                yield
-        else:
-            with monkeypatch.context() as m:
-                m.setattr(gdn, "use_fused", lambda t: on)
-                yield
+        with monkeypatch.context() as m:
+            m.setattr(gdn, "_prefill_kernel",
+                      lambda t, dk, dv, kc: on and gp.gdn_prefill_supported(dk, dv))
+            yield
     return switch
 
 
@@ -222,13 +219,13 @@ def test_negative_control_state_off_fails(kernel_on):
 
 
 def test_dispatch():
-    """The kernel path only where use_fused holds (CUDA + Triton) and the dims are supported;
-    the CPU path is the torch code (tests/test_gdn_subblocks.py pins its bits)."""
+    """The kernel path only where the config runs fused kernels (CUDA + Triton) and the dims are
+    supported; the CPU path is the torch code (tests/test_gdn_subblocks.py pins its bits)."""
     t = torch.empty(1, device=DEVICE)
-    assert gdn._prefill_kernel(t, 16, 16) == CUDA
-    assert not gdn._prefill_kernel(t, 8, 16) and not gdn._prefill_kernel(t, 16, 24)
-    with fused_kernels(False):
-        assert not gdn._prefill_kernel(t, 128, 128)
+    kc = KernelConfig()
+    assert gdn._prefill_kernel(t, 16, 16, kc) == CUDA
+    assert not gdn._prefill_kernel(t, 8, 16, kc) and not gdn._prefill_kernel(t, 16, 24, kc)
+    assert not gdn._prefill_kernel(t, 128, 128, KernelConfig(fused=False))
 
 
 # ===== tf32x3: its rounding modelled in torch (runs anywhere) =====

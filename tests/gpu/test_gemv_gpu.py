@@ -25,26 +25,21 @@ allow_bf16_reduced_precision_reduction and TF32) so that it is the same math.
   bit-identical to `shared_act_triton` then `linear_triton` with the same tiles (the same
   roundings), and within the tolerances above of F.linear(F.silu(g) * u, w) (torch's h may
   differ from the kernels' by an exp / division ulp, rounded to bf16 or not: inside them).
-* Router top-k in the same launch (`linear_topk_triton`): y bit-identical to `linear_triton`,
-  ids to router.router_topk_triton on y's router columns; weights bit-identical in the
-  interpreter, on CUDA within one bf16 ulp / a few fp32 ulps (the softmax sum's order inside
-  the GEMV is the compiler's layout choice); repeated calls and a graph replay bit-identical,
-  counters left zero.
 * Negative control: one weight element changed by -8x of itself (at the largest product term of
   its row) fails the same check, while the other outputs still pass.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import fused_kernels, gemv, router, sync
-from ftchat.offload import expert_kernels as ek
+from ftchat.kernels import gemv, sync
+from ftchat.kernels.config import KernelConfig
+from ftchat.kernels.shared_expert import shared_act_triton
 from tests.kernel_inputs import capture, kernel_device
 
 
@@ -52,8 +47,8 @@ pytestmark = pytest.mark.gpu
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = os.environ.get("FTCHAT_TEST_DEVICE", "cpu" if INTERPRET else "cuda")
 BF16, FP32 = torch.bfloat16, torch.float32
-# N, K; (13952, 2560): the QSA fused projection (kernels.QSA_PROJ_GEMV)
-REAL = [(2560, 6144), (1281, 2560), (2560, 640), (512, 2560), (16480, 2560), (13952, 2560)]
+# N, K: the decode shapes (o_proj / out_proj, the MoE GEMV, the shared down, ...)
+REAL = [(2560, 6144), (1281, 2560), (2560, 640), (512, 2560), (16480, 2560)]
 ODD = [(37, 100), (1, 7), (130, 1000)]  # masked N tails and K tails, N = 1
 
 
@@ -193,7 +188,7 @@ def _gated_case(N, I, width, lead, dtype, seed):
 def _act_then_linear(gu, w, tiles):
     # today's pair: the shared activation kernel, then the GEMV on its output h [rows, I]
     I = w.shape[1]
-    h = ek.shared_act_triton(gu.reshape(-1, gu.shape[-1]), I)
+    h = shared_act_triton(gu.reshape(-1, gu.shape[-1]), I)
     return gemv.linear_triton(h, w, tiles).view(*gu.shape[:-1], w.shape[0])
 
 
@@ -240,77 +235,6 @@ def test_gated_negative_control():
     ref = F.linear(F.silu(gu[:, :I]) * gu[:, I:], w)
     assert not _close(got, ref, BF16)
     assert _close(gemv.linear_gated_triton(gu, w), ref, BF16)
-
-
-# ===== the router's top-k in the GEMV's launch =====
-
-# N, K, E router columns (the tail), k: flash-next's fused MoE GEMV [gate | up | gate logit |
-# router] and a small one (split-K and single-chunk tiles both run)
-ROUTED = [(2 * 640 + 1 + 512, 2560, 512, 10), (2 * 32 + 1 + 24, 64, 24, 4)]
-
-
-def _routed_tiles(N, K):
-    t = _tiles(N, K)  # the interpreter's big tiles, in one warp (the top-k's requirement)
-    return None if t is None else dataclasses.replace(t, warps=1)
-
-
-def _weights_close(w, w_ref, dtype) -> bool:
-    # the interpreter: bit for bit; CUDA: the softmax sum's order may differ (gemv.py)
-    if DEVICE == "cpu":
-        return torch.equal(w, w_ref)
-    rtol = 2**-7 if dtype == BF16 else 2**-21  # one bf16 ulp; a few fp32 ulps
-    return bool(torch.allclose(w.float(), w_ref.float(), rtol=rtol, atol=0))
-
-
-@pytest.mark.parametrize("shape", ROUTED, ids=lambda v: "x".join(map(str, v)))
-@pytest.mark.parametrize("dtype", [BF16, FP32])
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("norm", [True, False], ids=["norm", "raw"])
-def test_linear_topk_matches_linear_then_router(shape, dtype, rows, norm):
-    N, K, E, k = shape
-    x, w = _case(N, K, (rows,), dtype, seed=N + rows + 10 * norm + 100 * (dtype == BF16))
-    w[N - E + 5] = w[N - E + 2]  # two router rows alike: equal logits, a tie the rule orders
-    tiles = _routed_tiles(N, K)
-    y, ids, tw = gemv.linear_topk_triton(x, w, E, k, norm, tiles)
-    y_ref = gemv.linear_triton(x, w, tiles)
-    ids_ref, tw_ref = router.router_topk_triton(y_ref[:, N - E:], k, norm)
-    assert torch.equal(y, y_ref)
-    assert ids.dtype == torch.int64 and tw.dtype == dtype and ids.shape == tw.shape == (rows, k)
-    assert torch.equal(ids, ids_ref) and _weights_close(tw, tw_ref, dtype)
-    assert all(int(c.abs().sum()) == 0 for key, c in sync._COUNTERS.items() if key[2] == "gemv")
-    again = gemv.linear_topk_triton(x, w, E, k, norm, tiles)  # deterministic, counters reused
-    assert all(torch.equal(a, b) for a, b in zip(again, (y, ids, tw)))
-
-
-def test_linear_topk_small_tiles_and_lead_shapes():
-    # one-chunk programs (split 1: every program counts as it stores), a router whose first
-    # block also holds gate columns, and [B, T] leading dims
-    N, K, E, k = ROUTED[1]
-    x, w = _case(N, K, (2, 1), BF16, seed=28)
-    for tiles in (gemv.GemvTiles(8, 64, 1, 1), gemv.GemvTiles(4, 16, 3, 1),
-                  gemv.GemvTiles(16, 32, 2, 1)):
-        y, ids, tw = gemv.linear_topk_triton(x, w, E, k, True, tiles)
-        assert y.shape == (2, 1, N) and ids.shape == tw.shape == (2, 1, k)
-        ids_ref, tw_ref = router.router_topk_triton(y[..., N - E:], k, True)
-        assert torch.equal(ids, ids_ref) and _weights_close(tw, tw_ref, BF16)
-    with pytest.raises(AssertionError):
-        gemv.linear_topk_triton(x, w, E, k, True, gemv.GemvTiles(8, 64, 1, 4))  # 4 warps
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA (the interpreter runs on CPU)")
-def test_linear_topk_graph_replay_equals_eager():
-    N, K, E, k = ROUTED[0]
-    x, w = _case(N, K, (2,), BF16, seed=29)
-
-    def step():
-        return gemv.linear_topk_triton(x, w, E, k, True)
-    graph, out = capture(step)
-    for seed in (43, 44):
-        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x.dtype))
-        graph.replay()
-        assert all(torch.equal(o, e) for o, e in zip(out, step()))
-    torch.cuda.synchronize()
-    assert all(int(c.abs().sum()) == 0 for key, c in sync._COUNTERS.items() if key[2] == "gemv")
 
 
 # ===== determinism, split-K and its counters =====
@@ -374,8 +298,7 @@ def test_dispatch_picks_the_path():
     fused = DEVICE == "cuda"  # CPU tensors always take F.linear
     want = gemv.linear_triton(x, w) if fused else F.linear(x, w)
     assert torch.equal(gemv.linear(x, w), want)
-    with fused_kernels(False):
-        assert torch.equal(gemv.linear(x, w), F.linear(x, w))
+    assert torch.equal(gemv.linear(x, w, kc=KernelConfig(fused=False)), F.linear(x, w))
     x3 = _case(130, 1000, (3,), BF16, seed=25)[0]  # over DISPATCH_MAX_ROWS
     wt = w.t().contiguous().t()  # not contiguous
     for xx, ww in ((x3, w), (x, wt), (x.half(), w.half())):

@@ -42,7 +42,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import HC_ONE_LAUNCH, hyper, router, sync
+from ftchat.kernels import hyper, router, sync
 from ftchat.model import qwen4_exp as q
 from tests.kernel_inputs import capture, kernel_device
 
@@ -206,66 +206,6 @@ def test_hc_split_leaves_its_counters_zero_and_repeats():
         assert cnt.tolist() == [1000 + g.hc] * nb
     finally:
         cnt.zero_()
-
-
-def _both_ways(g, lead, dtype, add, inject, tiles, seed):
-    """(two launches, one launch) of the same HC read."""
-    gen = torch.Generator().manual_seed(seed)
-    w = _weights(g, dtype, gen)
-    if not inject:
-        del w["block_inject_weight.weight"]
-    R, y, s = _inputs(g, lead, dtype, gen)
-    y, s = (y, s) if add else (None, None)
-    two = hyper.hc_mix_triton(R, w, g.hc, EPS, y, s, inject, tiles)
-    with HC_ONE_LAUNCH.set(True):
-        one = hyper.hc_mix_triton(R, w, g.hc, EPS, y, s, inject, tiles)
-    return two, one
-
-
-def _same(a, b) -> bool:
-    return all((x is None and y is None) or torch.equal(x, y) for x, y in zip(a, b))
-
-
-# the one-launch HC read runs the two kernels' tiles (the same helpers) in one grid: the same
-# bits, whatever the grid; "looped": 5 programs, each taking many tiles of both parts
-@pytest.mark.parametrize("geo,lead,tiles", [
-    ("real", (1, 1), None), ("real", (2, 1), None), ("small", (1, 1), None),
-    ("odd", (2, 3), None), ("odd", (8, 1), hyper.HcTiles(8, 16, 2, 4, 4, 2))])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("add,inject", [(False, True), (True, True), (True, False)])
-@pytest.mark.parametrize("grid", ["full", "looped"])
-def test_hc_one_launch_is_the_two_kernels_bit_for_bit(geo, lead, tiles, dtype, add, inject,
-                                                      grid, monkeypatch):
-    g = GEOS[geo]
-    if grid == "looped":
-        monkeypatch.setattr(hyper, "_one_launch_grid", lambda *a: (True, 5))
-    two, one = _both_ways(g, lead, dtype, add, inject, tiles or _tiles(g, lead[0] * lead[1]),
-                          seed=lead[0] + 7 * add + 3 * inject)
-    assert _same(one, two)
-
-
-def test_hc_one_launch_leaves_its_counters_zero_and_repeats():
-    g = GEOS["small"]
-    two, one = _both_ways(g, (2, 1), torch.bfloat16, True, True, None, seed=21)
-    assert int(sync.counters(one[1].device, 2, "hc_barrier").abs().sum()) == 0
-    nb = -(-(g.L + g.hc) // hyper.default_tiles(2).down_rows)
-    assert int(sync.counters(one[1].device, nb, "hc").abs().sum()) == 0
-    assert _same(_both_ways(g, (2, 1), torch.bfloat16, True, True, None, seed=21)[1], one)
-
-
-def test_control_hc_one_launch_sees_a_changed_weight():
-    # negative control of the bit-for-bit test: one launch over a weight differing in one
-    # element of W_up gives other bits than the two kernels over the original
-    g = GEOS["small"]
-    gen = torch.Generator().manual_seed(22)
-    w = _weights(g, torch.bfloat16, gen)
-    R, _, _ = _inputs(g, (1, 1), torch.bfloat16, gen)
-    two = hyper.hc_mix_triton(R, w, g.hc, EPS)
-    bad = dict(w, **{"input_mix_weight_up.weight": w["input_mix_weight_up.weight"].clone()})
-    bad["input_mix_weight_up.weight"][0, 0] += 1.0
-    with HC_ONE_LAUNCH.set(True):
-        one = hyper.hc_mix_triton(R, bad, g.hc, EPS)
-    assert not _same(one, two)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -518,14 +458,8 @@ def test_dispatch_picks_the_path_for_the_device():
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("one_launch", [False, True], ids=["two_kernels", "one_launch"])
-def test_graph_replay_equals_eager(one_launch):
+def test_graph_replay_equals_eager():
     # the decode step is captured: static shapes, no host sync; replays follow new inputs
-    with HC_ONE_LAUNCH.set(one_launch):
-        _graph_replay_equals_eager()
-
-
-def _graph_replay_equals_eager():
     g = GEOS["real"]
     gen = torch.Generator().manual_seed(9)
     w = _weights(g, torch.bfloat16, gen)

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.offload import copy as copy_mod
-from ftchat.offload import expert_kernels as ek
-from ftchat.offload.experts import routed_experts
+from ftchat.kernels import HAS_TRITON, row_copy
+from ftchat.kernels import routed_experts as rk
+from ftchat.offload.experts import routed_experts, routed_experts_any, routed_experts_decode_ref
 from tests.kernel_inputs import (copy_plan, exact_rows, expected_copy, place, random_rows,
                                  routing)
 
@@ -33,7 +33,7 @@ DEVICE = "cpu" if INTERPRET else "cuda"
 
 @pytest.fixture(autouse=True)
 def _triton():
-    assert ek.HAS_TRITON and copy_mod.HAS_TRITON, "these tests need triton"
+    assert rk.HAS_TRITON and HAS_TRITON, "these tests need triton"
     assert INTERPRET or torch.cuda.is_available(), "no CUDA: set TRITON_INTERPRET=1 to run on CPU"
 
 
@@ -55,7 +55,7 @@ def test_copy_kernel_follows_the_plan(R, count):
     want = expected_copy(host, bank, src, dst, count)
     got = bank.clone().to(DEVICE)  # clone: on CPU .to() would alias `bank`
     # 3 programs and 256-byte blocks: several work items per row, a partial last block
-    copy_mod.copy_rows_triton(_host(host), got, src.to(DEVICE), dst.to(DEVICE), cnt.to(DEVICE),
+    row_copy.copy_rows_triton(_host(host), got, src.to(DEVICE), dst.to(DEVICE), cnt.to(DEVICE),
                               programs=3, block_bytes=256)
     assert torch.equal(got.cpu()[:S], want[:S])
     assert torch.equal(got.cpu()[S], bank[S])  # the kernel skips entries past the count
@@ -70,8 +70,8 @@ def test_copy_kernel_equals_torch_path(programs):
     for count in (0, 4, M):  # one bank, several plans in sequence
         src, dst, cnt = (t.to(DEVICE) for t in copy_plan(M, count, N, S, gen, dup_src=True))
         ref = bank.clone()
-        copy_mod.copy_rows_ref(host, ref, src, dst, cnt)
-        copy_mod.copy_rows_triton(host, bank, src, dst, cnt, programs=programs)
+        row_copy.copy_rows_ref(host, ref, src, dst, cnt)
+        row_copy.copy_rows_triton(host, bank, src, dst, cnt, programs=programs)
         assert torch.equal(bank[:S], ref[:S])
         bank[S] = ref[S]  # the sink's bytes are not specified
 
@@ -104,7 +104,7 @@ def test_experts_fp32_match_reference(kind, T, K):
     layout, bank, slot_of, ids, w, x = _case(kind, T, K, exact=False, seed=T * K)
     ref = routed_experts(x, bank, layout, slot_of[ids], ids, w)
     bank_d, slots_d, w_d, x_d = _on(bank, slot_of[ids].int(), w, x)
-    got = ek.routed_experts_triton(x_d, bank_d, layout, slots_d, w_d).cpu()
+    got = rk.routed_experts_triton(x_d, bank_d, layout, slots_d, w_d).cpu()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -114,8 +114,8 @@ def test_experts_bf16_match_mirror_and_reference(kind):
     x = x.bfloat16()
     slots = slot_of[ids]
     ref = routed_experts(x, bank, layout, slots, ids, w).float()
-    mirror = ek.routed_experts_decode_ref(x, bank, layout, slots, w).float()
-    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w)).cpu()
+    mirror = routed_experts_decode_ref(x, bank, layout, slots, w).float()
+    got = rk.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w)).cpu()
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), mirror, rtol=2**-7, atol=1e-6)
     torch.testing.assert_close(got.float(), ref, rtol=0, atol=2**-5 * float(ref.abs().max()))
@@ -128,7 +128,7 @@ def test_experts_exact_inputs_bit_identical(kind, dtype):
     slots = slot_of[ids]
     ref = routed_experts(x, bank, layout, slots, ids, w)  # fp32: exact on these inputs
     assert torch.equal(ref.double(), _exact_f64(x, bank, layout, slots, w))  # the premise
-    got = ek.routed_experts_triton(*_on(x.to(dtype), bank), layout, *_on(slots, w)).cpu()
+    got = rk.routed_experts_triton(*_on(x.to(dtype), bank), layout, *_on(slots, w)).cpu()
     assert torch.equal(got, ref.to(dtype))
 
 
@@ -148,13 +148,13 @@ def _exact_f64(x, bank, layout, slots, w):
 def test_experts_do_not_depend_on_the_slot(kind):
     layout, bank, slot_of, ids, w, x = _case(kind, 2, 5, exact=False, seed=11)
     x = x.bfloat16()
-    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w))
+    got = rk.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w))
     # the same experts at other slots, other garbage in the free slots and the sink
     gen = torch.Generator().manual_seed(12)
     rows = bank[slot_of]
     bank2, slot_of2 = place(rows, bank.shape[0] - 1, gen)
     assert not torch.equal(slot_of2, slot_of)
-    got2 = ek.routed_experts_triton(*_on(x, bank2), layout, *_on(slot_of2[ids], w))
+    got2 = rk.routed_experts_triton(*_on(x, bank2), layout, *_on(slot_of2[ids], w))
     assert torch.equal(got.cpu(), got2.cpu())
 
 
@@ -164,10 +164,10 @@ def test_experts_tiles_and_masked_steps(kind):
     # is masked; more rows than I = 48 in kernel 1, two-word steps in kernel 2, other warps
     layout, bank, slot_of, ids, w, x = _case(kind, 1, 3, exact=False, seed=13, D=80, I=48)
     ref = routed_experts(x, bank, layout, slot_of[ids], ids, w)
-    tiles = ek.DecodeTiles(gate_up_rows=64, gate_up_k=128, gate_up_warps=2, down_rows=16,
+    tiles = rk.DecodeTiles(gate_up_rows=64, gate_up_k=128, gate_up_warps=2, down_rows=16,
                            down_k=16, down_warps=8, combine_rows=32)
-    assert not ek._gemv_args(layout, "gate_up", 80, 128)["EVEN"]
-    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
+    assert not rk._gemv_args(layout, "gate_up", 80, 128)["EVEN"]
+    got = rk.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
     torch.testing.assert_close(got.cpu(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
 
 
@@ -175,11 +175,11 @@ def test_dispatcher_picks_the_path_for_the_device():
     layout, bank, slot_of, ids, w, x = _case("nvfp4", 1, 4, exact=False, seed=17)
     x = x.bfloat16()
     args = (*_on(x, bank), layout, *_on(slot_of[ids], ids, w))
-    got = ek.routed_experts_any(*args)
+    got = routed_experts_any(*args)
     if INTERPRET:  # CPU tensors: the torch reference
         want = routed_experts(*args)
     else:
-        want = ek.routed_experts_triton(*args[:4], args[5])
+        want = rk.routed_experts_triton(*args[:4], args[5])
     assert torch.equal(got, want)
 
 
@@ -195,7 +195,7 @@ V4_CASES = [  # (D, I, gate_up_k, gate_up_rows): chunks a program, groups a lane
 
 def _v4(D, k, n):
     del D  # the tile does not depend on it; v4_applies checks the pair
-    return ek.DecodeTiles(gate_up_rows=n, gate_up_k=k, gate_up_warps=1, down_rows=32,
+    return rk.DecodeTiles(gate_up_rows=n, gate_up_k=k, gate_up_warps=1, down_rows=32,
                           down_k=128, down_warps=4, variant="v4")
 
 
@@ -204,15 +204,15 @@ def _v4(D, k, n):
 def test_experts_v4_match_reference_and_v2(D, I, k, n, T):
     layout, bank, slot_of, ids, w, x = _case("nvfp4", T, 5, exact=False, seed=D + T, D=D, I=I)
     tiles = _v4(D, k, n)
-    assert ek.v4_applies(layout, tiles)
+    assert rk.v4_applies(layout, tiles)
     slots = slot_of[ids]
     ref = routed_experts(x, bank, layout, slots, ids, w)
-    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w), tiles=tiles).cpu()
+    got = rk.routed_experts_triton(*_on(x, bank), layout, *_on(slots, w), tiles=tiles).cpu()
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     xb = x.bfloat16()
-    mirror = ek.routed_experts_decode_ref(xb, bank, layout, slots, w).float()
-    got_b = ek.routed_experts_triton(*_on(xb, bank), layout, *_on(slots, w), tiles=tiles).cpu()
-    v2 = ek.routed_experts_triton(*_on(xb, bank), layout, *_on(slots, w)).cpu()
+    mirror = routed_experts_decode_ref(xb, bank, layout, slots, w).float()
+    got_b = rk.routed_experts_triton(*_on(xb, bank), layout, *_on(slots, w), tiles=tiles).cpu()
+    v2 = rk.routed_experts_triton(*_on(xb, bank), layout, *_on(slots, w)).cpu()
     torch.testing.assert_close(got_b.float(), mirror, rtol=2**-7, atol=1e-6)
     # two fp32 orders each within half an ulp of their own sum: one bf16 ulp apart at most
     torch.testing.assert_close(got_b.float(), v2.float(), rtol=2**-7, atol=1e-6)
@@ -224,7 +224,7 @@ def test_experts_v4_exact_inputs_bit_identical(dtype):
     slots = slot_of[ids]
     ref = routed_experts(x, bank, layout, slots, ids, w)
     assert torch.equal(ref.double(), _exact_f64(x, bank, layout, slots, w))  # the premise
-    got = ek.routed_experts_triton(*_on(x.to(dtype), bank), layout, *_on(slots, w),
+    got = rk.routed_experts_triton(*_on(x.to(dtype), bank), layout, *_on(slots, w),
                                    tiles=_v4(128, 64, 4)).cpu()
     assert torch.equal(got, ref.to(dtype))
 
@@ -232,35 +232,27 @@ def test_experts_v4_exact_inputs_bit_identical(dtype):
 def test_experts_v4_do_not_depend_on_the_slot():
     layout, bank, slot_of, ids, w, x = _case("nvfp4", 2, 5, exact=False, seed=11, D=512, I=64)
     x, tiles = x.bfloat16(), _v4(512, 512, 4)
-    got = ek.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
+    got = rk.routed_experts_triton(*_on(x, bank), layout, *_on(slot_of[ids], w), tiles=tiles)
     bank2, slot_of2 = place(bank[slot_of], bank.shape[0] - 1, torch.Generator().manual_seed(12))
     assert not torch.equal(slot_of2, slot_of)
-    got2 = ek.routed_experts_triton(*_on(x, bank2), layout, *_on(slot_of2[ids], w), tiles=tiles)
+    got2 = rk.routed_experts_triton(*_on(x, bank2), layout, *_on(slot_of2[ids], w), tiles=tiles)
     assert torch.equal(got.cpu(), got2.cpu())
 
 
 def test_v4_applies_only_to_whole_nvfp4_tiles():
-    assert not ek.v4_applies(RowLayout("bf16", 512, 64), _v4(512, 512, 4))
-    assert not ek.v4_applies(RowLayout("nvfp4", 640, 64), _v4(512, 512, 4))  # D % 512
-    assert not ek.v4_applies(RowLayout("nvfp4", 512, 36), _v4(512, 512, 8))  # I % 8
-    assert ek.v4_applies(RowLayout("nvfp4", 2560, 640), _v4(2560, 512, 4))
+    assert not rk.v4_applies(RowLayout("bf16", 512, 64), _v4(512, 512, 4))
+    assert not rk.v4_applies(RowLayout("nvfp4", 640, 64), _v4(512, 512, 4))  # D % 512
+    assert not rk.v4_applies(RowLayout("nvfp4", 512, 36), _v4(512, 512, 8))  # I % 8
+    assert rk.v4_applies(RowLayout("nvfp4", 2560, 640), _v4(2560, 512, 4))
 
 
 def test_routed_default_tiles_rule():
-    # the H200 picks (docs/performance.md, sessions 12-14): v4 at 2 h rows a program, one at
-    # bs 1; v2 where v4 does not divide the shape or the row loop is off
-    from ftchat.kernels import one_row_kernels, rowloop_kernels
-
+    # the H200 picks (docs/performance.md): v4 at 2 h rows a program, one at bs 1; v2 where v4
+    # does not divide the shape; dense rows v1
     real = RowLayout("nvfp4", 2560, 640)
-    assert ek.default_tiles(real) == ek.V4_TILES and ek.V4_TILES.gate_up_rows == 2
-    assert ek.default_tiles(RowLayout("nvfp4", 640, 64)).variant == "v2"  # D % 512
-    assert ek.default_tiles(RowLayout("bf16", 2560, 640)).variant == "v1"
-    with rowloop_kernels(False):
-        assert ek.default_tiles(real).variant == "v2"
-    # the one-h-row tile: bs 1 only, unless switched off (bench's onerow=0 arm)
-    assert ek.default_tiles(real, 1) == ek.V4_TILES_BS1 and ek.V4_TILES_BS1.gate_up_rows == 1
-    assert ek.default_tiles(real, 2) == ek.V4_TILES
-    with rowloop_kernels(False):
-        assert ek.default_tiles(real, 1).variant == "v2"
-    with one_row_kernels(False):
-        assert ek.default_tiles(real, 1) == ek.V4_TILES
+    assert rk.default_tiles(real) == rk.V4_TILES and rk.V4_TILES.gate_up_rows == 2
+    assert rk.default_tiles(RowLayout("nvfp4", 640, 64)).variant == "v2"  # D % 512
+    assert rk.default_tiles(RowLayout("bf16", 2560, 640)).variant == "v1"
+    # the one-h-row tile: bs 1 only
+    assert rk.default_tiles(real, 1) == rk.V4_TILES_BS1 and rk.V4_TILES_BS1.gate_up_rows == 1
+    assert rk.default_tiles(real, 2) == rk.V4_TILES

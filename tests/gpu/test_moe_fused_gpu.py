@@ -1,6 +1,7 @@
-"""The fused MoE decode path against the torch references: the shared expert's activation kernel,
-the gated shared expert folded into the routed kernels' combine (qwen4_exp.moe_block on CUDA
-decode), and the v2 / v3 routed kernel sets (ftchat/offload/expert_kernels.py) against v1.
+"""The fused MoE decode path against the torch references: the shared expert's activation kernel
+(ftchat/kernels/shared_expert.py), the gated shared expert added in the routed kernels' weighted
+sum (qwen4_exp.moe_block on CUDA decode), and the routed kernel sets
+(ftchat/kernels/routed_experts.py) against each other.
 
 Two ways to run the same tests (the `gpu` marker is deselected by default, so name it):
     on the device (CUDA):        pytest -m gpu tests/gpu/test_moe_fused_gpu.py
@@ -20,8 +21,6 @@ and exp / division ulps (silu, sigmoid):
 * shared_expert_parts: at <= 2 rows on CUDA the down GEMV computes h itself from the fused
   GEMV's columns (gemv.linear_gated_triton): bit-identical to the activation kernel then the
   GEMV (the same roundings); at 3 rows and on CPU it is that pair.
-* q.ROUTE_IN_GEMV (the router's top-k in the MoE GEMV's launch, CUDA only): the same experts as
-  the standalone top-k, the output within the engine tolerance below of the path without it.
 * MoE output against the kernels' mirror (routed_experts_decode_ref + shared_expert_ref): fp32
   within 1e-5 * max|ref| (the routed kernels' summation order, as tests/gpu/test_kernels_gpu.py);
   bf16 within 2^-7 * (|routed| + |shared| + |ref|) per element: one ulp for each of the three
@@ -31,10 +30,8 @@ and exp / division ulps (silu, sigmoid):
 * against the engine's torch path (routed in ascending expert id, weights rounded to the model
   dtype): fp32 as above, bf16 within 2^-5 * max|ref| (the routed tolerance of
   test_kernels_gpu.py; measured 0.0072 * max|ref|).
-* v2 / v3 against v1: the same sums in the same order (v3 decodes to E2M1 * 2^-6 instead of
-  * 2^-14: exact either way): bit-identical on CPU; on CUDA within the fp32 tolerance (the
-  compiler may contract other multiply-adds). v3's inline PTX runs on the device only; its
-  integer steps are checked here on every byte pattern (test_v3_decode_bit_mapping).
+* v2 against v1: the same sums in the same order: bit-identical on CPU; on CUDA within the fp32
+  tolerance (the compiler may contract other multiply-adds).
 Negative controls perturb one weight of the shared expert or of one routed expert and must fail
 the same checks.
 """
@@ -49,14 +46,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import fused_kernels, gemv, router, shared_fold_kernels, sync
+from ftchat.codecs.rows import RowLayout
+from ftchat.kernels import gemv, routed_experts as rk, router, sync
+from ftchat.kernels.config import KernelConfig
+from ftchat.kernels.shared_expert import shared_act_triton
 from ftchat.model import layers
 from ftchat.model import qwen4_exp as q
-from ftchat.model.expert_backend import SharedIn, SharedOut
-from ftchat.codecs.rows import RowLayout
-from ftchat.offload import expert_kernels as ek
 from ftchat.offload.backend import ResidentExperts
-from ftchat.offload.experts import routed_experts
+from ftchat.offload.experts import routed_experts, routed_experts_decode_ref
 from tests.kernel_inputs import kernel_device, place, random_rows, routing
 
 pytestmark = pytest.mark.gpu
@@ -68,7 +65,7 @@ DTYPES = [torch.bfloat16, torch.float32]
 
 @pytest.fixture(autouse=True)
 def _device():
-    yield from kernel_device(DEVICE, INTERPRET, ek.HAS_TRITON)
+    yield from kernel_device(DEVICE, INTERPRET, rk.HAS_TRITON)
 
 
 # ===== inputs =====
@@ -130,42 +127,42 @@ class SimpleCase:
     w: dict
 
 
-def _v4_tiles(layout: RowLayout, tiles: ek.DecodeTiles) -> ek.DecodeTiles:
+def _v4_tiles(layout: RowLayout, tiles: rk.DecodeTiles) -> rk.DecodeTiles:
     # v4 needs whole chunks along D: the widest power of two up to gate_up_k dividing D; the
     # default's 2 h rows per program on the GPU, fewer programs in the interpreter
     k = tiles.gate_up_k
     while layout.hidden % k:
         k //= 2
-    rows = tiles.gate_up_rows if INTERPRET else ek.V4_TILES.gate_up_rows
+    rows = tiles.gate_up_rows if INTERPRET else rk.V4_TILES.gate_up_rows
     v4 = dataclasses.replace(tiles, gate_up_rows=rows, gate_up_k=k, gate_up_warps=1,
                              variant="v4")
-    assert ek.v4_applies(layout, v4), (layout, v4)
+    assert rk.v4_applies(layout, v4), (layout, v4)
     return v4
 
 
-# v4 runs NVFP4 rows only (ek.v4_applies; default_tiles never gives it bf16 rows)
-KIND_VARIANTS = [(k, v) for k in ("nvfp4", "bf16") for v in ek.VARIANTS
+# v4 runs NVFP4 rows only (rk.v4_applies; default_tiles never gives it bf16 rows)
+KIND_VARIANTS = [(k, v) for k in ("nvfp4", "bf16") for v in rk.VARIANTS
                  if (k, v) != ("bf16", "v4")]
 
 
-def _tiles(c: SimpleCase, variant: str) -> ek.DecodeTiles:
+def _tiles(c: SimpleCase, variant: str) -> rk.DecodeTiles:
     if variant == "v4":
         return _v4_tiles(c.layout, _tiles(c, "v2"))
     if INTERPRET and c.layout.hidden >= 1024:  # few big programs: seconds instead of minutes
-        return ek.DecodeTiles(64, 4096, 4, 256, 1024, 4, 2048, variant)
-    return dataclasses.replace(ek.default_tiles(c.layout), variant=variant)
+        return rk.DecodeTiles(64, 4096, 4, 256, 1024, 4, 2048, variant)
+    return dataclasses.replace(rk.default_tiles(c.layout), variant=variant)
 
 
 def _fused(c: SimpleCase, variant: str = "v1", w: dict | None = None) -> torch.Tensor:
     # the CUDA decode path of moe_block after routing: shared parts, then the routed kernels
     shared = q.shared_expert_parts(c.x, c.w if w is None else w)
-    return ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, _tiles(c, variant),
+    return rk.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, _tiles(c, variant),
                                     shared)
 
 
 def _refs(c: SimpleCase):
     # (mirror reference, engine torch-path reference, routed mirror, gated shared expert)
-    routed = ek.routed_experts_decode_ref(c.x, c.bank, c.layout, c.slots, c.weights)
+    routed = routed_experts_decode_ref(c.x, c.bank, c.layout, c.slots, c.weights)
     shared = layers.shared_expert_ref(c.x, c.w)
     engine = routed_experts(c.x, c.bank, c.layout, c.slots, c.ids, c.weights) + shared
     return routed + shared, engine, routed, shared
@@ -193,7 +190,7 @@ def test_shared_act_matches_torch(geo, rows, dtype):
     D, I, _, _ = GEOS[geo]
     gen = torch.Generator().manual_seed(rows + 10 * (dtype == torch.float32))
     gu = (torch.randn(rows, 2 * I + 1, generator=gen) * 3).to(dtype).to(DEVICE)
-    got = ek.shared_act_triton(gu, I)
+    got = shared_act_triton(gu, I)
     ref = F.silu(gu[:, :I]) * gu[:, I:2 * I]
     assert got.shape == ref.shape and got.dtype == dtype
     err = (got.float() - ref.float()).abs()
@@ -210,7 +207,7 @@ def test_shared_parts_gated_down_equals_act_then_down(geo, rows, dtype):
     # where the GEMV kernel takes the down projection (CUDA, <= 2 rows) shared_expert_parts runs
     # it on proj's columns itself (gemv.linear_gated_triton): the activation kernel then the
     # GEMV, bit for bit; at 3 rows on CUDA it is that pair; on the CPU (the interpreter tier)
-    # the torch expressions (expert_kernels.shared_down), which the fp32 activation kernel
+    # the torch expressions (shared_expert.shared_down), which the fp32 activation kernel
     # does not match bit for bit there
     D, I, _, _ = GEOS[geo]
     gen = torch.Generator().manual_seed(rows + 10 * (dtype == torch.float32) + len(geo))
@@ -221,7 +218,7 @@ def test_shared_parts_gated_down_equals_act_then_down(geo, rows, dtype):
     assert gemv.dispatches(proj[:, :I], down_w) == (DEVICE == "cuda" and rows <= 2)
     down, logit = q.shared_expert_parts(x, w, proj)
     if DEVICE == "cuda":
-        want = gemv.linear(ek.shared_act_triton(proj, I), down_w)
+        want = gemv.linear(shared_act_triton(proj, I), down_w)
     else:
         want = F.linear(F.silu(proj[:, :I]) * proj[:, I:2 * I], down_w)
     assert torch.equal(down, want)
@@ -230,16 +227,14 @@ def test_shared_parts_gated_down_equals_act_then_down(geo, rows, dtype):
     assert torch.equal(down2, down)
 
 
-# ===== the MoE output: shared expert folded into the routed kernels =====
+# ===== the MoE output: the shared expert added in the routed kernels' sum =====
 
 
 @pytest.mark.parametrize("geo", ["real", "small"])
 @pytest.mark.parametrize("rows", [1, 2])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ek.VARIANTS)
+@pytest.mark.parametrize("variant", rk.VARIANTS)
 def test_moe_fused_matches_reference(geo, rows, dtype, variant):
-    if INTERPRET and variant == "v3" and geo == "real":
-        pytest.skip("the interpreter runs v2's decode for v3 (no inline PTX): v2 covers it")
     c = _case(geo, rows, dtype, seed=rows + 10 * (dtype == torch.float32))
     got = _fused(c, variant)
     ref, engine, routed, shared = _refs(c)
@@ -260,11 +255,11 @@ def test_moe_fused_dense_rows_and_masked_steps(kind, variant):
     c = SimpleCase(layout, bank.to(DEVICE), slot_of[ids].int().to(DEVICE), ids.to(DEVICE),
                    weights.bfloat16().to(DEVICE), x.to(DEVICE),
                    _shared_weights(D, I, torch.bfloat16, gen))
-    tiles = ek.DecodeTiles(16, 128, 2, 16, 32, 2, 32, variant)
+    tiles = rk.DecodeTiles(16, 128, 2, 16, 32, 2, 32, variant)
     if variant == "v4":  # D = 80: chunks of 16
         tiles = _v4_tiles(layout, tiles)
-    assert not ek._gemv_args(layout, "gate_up", D, 128)["EVEN"]
-    got = ek.routed_experts_triton(c.x, c.bank, layout, c.slots, c.weights, tiles,
+    assert not rk._gemv_args(layout, "gate_up", D, 128)["EVEN"]
+    got = rk.routed_experts_triton(c.x, c.bank, layout, c.slots, c.weights, tiles,
                                    q.shared_expert_parts(c.x, c.w))
     ref, engine, routed, shared = _refs(c)
     assert _close(got, ref, torch.bfloat16, routed, shared)
@@ -287,34 +282,17 @@ def test_moe_fused_negative_control(dtype, control):
     else:  # the down globals of the first routed expert of token 0, x1.25
         c.bank = c.bank.clone()
         c.layout.view(c.bank, "down_global")[int(c.slots[0, 0])] *= 1.25
-    got = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights,
+    got = rk.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights,
                                    _tiles(c, "v2"), q.shared_expert_parts(c.x, w))
     assert not _close(got, ref, dtype, routed, shared)
 
 
-# ===== v2 / v3 against v1 =====
-
-
-def test_v3_decode_bit_mapping():
-    # the integer steps of _E2M1_E4M3_PTX, in torch: every nibble of every byte pattern becomes
-    # the e4m3 byte whose value is E2M1 * 2^-6 (odd codes: high nibbles; even: low nibbles)
-    w = torch.arange(256, dtype=torch.int32) * 0x01010101  # each byte pattern in all 4 bytes
-    w = torch.cat([w, torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32,
-                                    generator=torch.Generator().manual_seed(1))])
-    odd = (w & -0x7F7F7F80) | ((w >> 2) & 0x1C1C1C1C)  # -0x7F7F7F80 == 0x80808080 as int32
-    even = ((w << 4) & -0x7F7F7F80) | ((w << 2) & 0x1C1C1C1C)
-    e2m1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-    for b in range(4):
-        byte = (w >> (8 * b)) & 0xFF
-        for reg, nib in ((even, byte & 0xF), (odd, byte >> 4)):
-            e4m3 = ((reg >> (8 * b)) & 0xFF).to(torch.uint8).view(torch.float8_e4m3fn).float()
-            assert torch.equal(e4m3, e2m1[nib.long()] * 2.0**-6)
+# ===== v2 against v1 =====
 
 
 @pytest.mark.parametrize("kind", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", ["v2", "v3"])
-def test_v2_equals_v1(kind, dtype, variant):
+def test_v2_equals_v1(kind, dtype):
     D, I, E, K = 128, 64, 12, 6
     gen = torch.Generator().manual_seed(41)
     layout = RowLayout(kind, D, I)
@@ -322,10 +300,10 @@ def test_v2_equals_v1(kind, dtype, variant):
     ids, weights = routing(2, K, E, gen)
     args = [t.to(DEVICE) for t in (torch.randn(2, D, generator=gen).to(dtype), bank,
                                    slot_of[ids].int(), weights.to(dtype))]
-    tiles = ek.default_tiles(layout)
-    v1 = ek.routed_experts_triton(*args[:2], layout, *args[2:], tiles)
-    v2 = ek.routed_experts_triton(*args[:2], layout, *args[2:],
-                                  dataclasses.replace(tiles, variant=variant))
+    tiles = dataclasses.replace(rk.default_tiles(layout), variant="v1")
+    v1 = rk.routed_experts_triton(*args[:2], layout, *args[2:], tiles)
+    v2 = rk.routed_experts_triton(*args[:2], layout, *args[2:],
+                                  dataclasses.replace(tiles, variant="v2"))
     if DEVICE == "cpu":
         assert torch.equal(v1, v2)
     else:
@@ -385,7 +363,8 @@ def test_moe_block_dispatch(dtype, router_fused):
     x = torch.randn(2, 1, D, generator=gen).to(dtype).to(DEVICE)
     got = q.moe_block(0, x, w, experts, a)
     xt = x.flatten(0, 1)
-    if DEVICE == "cuda":  # the fused path: one GEMV (router rows included), shared parts folded
+    if DEVICE == "cuda":  # the fused path: one GEMV (router rows included), the shared expert
+        # added in the routed kernels' sum
         proj = gemv.linear(xt, w[layers.SHARED_FUSED])
         logits = proj[:, 2 * I + 1:] if router_fused else F.linear(xt, w["gate.weight"])
         ids, weights = router.router_topk_triton(logits, K, True)
@@ -418,9 +397,9 @@ def test_moe_block_fused_router_against_the_torch_path(dtype):
         tol = 1e-5 * scale if dtype == torch.float32 else 2**-7 * ref_logits.abs() + 2**-8 * scale
         assert bool(((proj[:, 2 * I + 1:].double() - ref_logits).abs() <= tol).all())
         got = q.moe_block(0, x, w, experts, a).flatten(0, 1)
-        with fused_kernels(False):
-            ids, weights = q.route(xt, w["gate.weight"], a)
-            want = q.moe_block(0, x, w, experts, a).flatten(0, 1)
+        off = KernelConfig(fused=False)
+        ids, weights = q.route(xt, w["gate.weight"], a, kc=off)
+        want = q.moe_block(0, x, w, experts, a, kc=off).flatten(0, 1)
         fused_ids, _ = router.router_topk_triton(proj[:, 2 * I + 1:], K, True)
         assert torch.equal(fused_ids.sort(-1).values, ids.sort(-1).values), seed
         assert _close(got, want, dtype, engine=True), seed
@@ -429,29 +408,6 @@ def test_moe_block_fused_router_against_the_torch_path(dtype):
         bad[2 * I + 1 + int(ids[0, 0])] *= 3
         bad_logits = gemv.linear(xt, bad)[:, 2 * I + 1:]
         assert not bool(((bad_logits.double() - ref_logits).abs() <= tol).all())
-
-
-@pytest.mark.skipif(DEVICE != "cuda", reason="the fold runs where the GEMV kernel does: CUDA")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_moe_block_route_in_gemv(dtype, monkeypatch):
-    # q.ROUTE_IN_GEMV: the router's top-k in the MoE GEMV's launch (gemv.linear_topk_triton):
-    # the same experts as the standalone kernel, the output within the engine tolerance of it
-    w, experts, a, gen = _layer(dtype, 63)
-    D, I, E, K = GEOS["small"]
-    for rows in (1, 2):
-        x = torch.randn(rows, 1, D, generator=gen).to(dtype).to(DEVICE)
-        xt = x.flatten(0, 1)
-        off = q.moe_block(0, x, w, experts, a)
-        monkeypatch.setattr(q, "ROUTE_IN_GEMV", True)
-        on = q.moe_block(0, x, w, experts, a)
-        monkeypatch.setattr(q, "ROUTE_IN_GEMV", False)
-        proj, ids, weights = gemv.linear_topk_triton(xt, w[layers.SHARED_FUSED], E, K, True)
-        want = experts.finish(experts.begin(0, xt, ids), xt, weights,
-                              q.shared_expert_parts(xt, w, proj))
-        assert torch.equal(on.flatten(0, 1), want)
-        ids_off, _ = router.router_topk_triton(proj[:, 2 * I + 1:], K, True)
-        assert torch.equal(ids, ids_off)
-        assert _close(on, off, dtype, engine=True)
 
 
 def _assert_replay_equals_eager(c: SimpleCase, step, seeds) -> None:
@@ -474,100 +430,12 @@ def _assert_replay_equals_eager(c: SimpleCase, step, seeds) -> None:
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
-@pytest.mark.parametrize("variant", ek.VARIANTS)
+@pytest.mark.parametrize("variant", rk.VARIANTS)
 def test_graph_replay_equals_eager(variant):
     c = _case("real", 2, torch.bfloat16, seed=71)
     tiles = _tiles(c, variant)
 
     def step():
         shared = q.shared_expert_parts(c.x, c.w)
-        return ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles, shared)
+        return rk.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles, shared)
     _assert_replay_equals_eager(c, step, (72, 73))
-
-
-# ===== the shared down GEMV inside kernel 1 (SharedIn) =====
-
-
-def _shared_bound(c: SimpleCase, shared: torch.Tensor) -> torch.Tensor:
-    # |shared| + sigmoid(gate) * sum_i |h_i w_ni|: a dot product's rounding error scales with the
-    # sum of its terms' magnitudes, not with the sum itself. Where the shared down output cancels
-    # (|s| ~ 0.01 of a mass ~ 3.8), bf16 h from the fused GEMV against the reference's own
-    # projections misses 2^-7 (|r| + |s| + |ref|) by up to 2x (7 of 5,120 elements, real
-    # geometry, seed 82; benchmarks/diag_fold_tolerance.py); with the mass added the worst
-    # element over four seeds used 0.30 of the tolerance
-    w = {k: v.float().cpu() for k, v in c.w.items()}
-    x = c.x.float().cpu()
-    P = "shared_expert."
-    h = F.silu(x @ w[P + "gate_proj.weight"].T) * (x @ w[P + "up_proj.weight"].T)
-    mass = h.abs() @ w["shared_expert.down_proj.weight"].abs().T  # [T, D]
-    return shared.float().cpu().abs() + torch.sigmoid(x @ w["shared_expert_gate.weight"].T) * mass
-
-
-@pytest.fixture
-def fold_on():
-    # the fold is off by default (kernels.SHARED_FOLD: measured slower at 48 layers); these
-    # tests switch it on
-    with shared_fold_kernels(True):
-        yield
-
-
-@pytest.mark.usefixtures("fold_on")
-@pytest.mark.parametrize("geo", ["real", "small"])
-@pytest.mark.parametrize("rows", [1, 2])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_shared_fold_equals_its_own_launch(geo, rows, dtype):
-    # SharedIn through v4: kernel 1's extra programs run the shared down GEMV with the GEMV
-    # kernel's tiles and code, so the MoE output is the one with that GEMV in its own launch
-    # (gemv.linear_gated_triton; on CUDA also the fold switched off, shared_expert_parts) bit
-    # for bit, and within the references' tolerance. _fold_tiles not None: the fold is what ran
-    c = _case(geo, rows, dtype, seed=80 + rows + 10 * (dtype == torch.float32))
-    tiles = _tiles(c, "v4")
-    proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
-    sin = SharedIn(proj, c.w["shared_expert.down_proj.weight"])
-    assert ek._fold_tiles(c.x, sin, tiles) is not None
-    run = functools.partial(ek.routed_experts_triton, c.x, c.bank, c.layout, c.slots, c.weights,
-                            tiles)
-    folded = run(sin)
-    down = gemv.linear_gated_triton(proj, sin.down_w)
-    assert torch.equal(folded, run(SharedOut(down, sin.gate_logit)))
-    with shared_fold_kernels(False):
-        assert ek._fold_tiles(c.x, sin, tiles) is None
-        if DEVICE == "cuda":  # the decode path's own launch (on CPU: the torch pair)
-            assert torch.equal(folded, run(sin))
-            assert torch.equal(folded, run(q.shared_expert_parts(c.x, c.w, proj)))
-    ref, engine, routed, shared = _refs(c)
-    assert _close(folded, ref, dtype, routed, _shared_bound(c, shared))
-    assert _close(folded, engine, dtype, engine=True)
-
-
-@pytest.mark.usefixtures("fold_on")
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_shared_fold_negative_control(dtype):
-    # the folded programs read the down weight given: one row doubled must fail the checks
-    # above (and only the folded run sees it: the reference keeps the true weight)
-    c = _case("small", 2, dtype, seed=91)
-    tiles = _tiles(c, "v4")
-    proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
-    bad = c.w["shared_expert.down_proj.weight"].clone()
-    bad[5] *= 2
-    sin = SharedIn(proj, bad)
-    assert ek._fold_tiles(c.x, sin, tiles) is not None
-    got = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles, sin)
-    ref, engine, routed, shared = _refs(c)
-    assert not _close(got, ref, dtype, routed, _shared_bound(c, shared))
-    good = ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles,
-                                    SharedIn(proj, c.w["shared_expert.down_proj.weight"]))
-    assert _close(good, ref, dtype, routed, _shared_bound(c, shared))
-
-
-@pytest.mark.usefixtures("fold_on")
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need CUDA")
-def test_shared_fold_graph_replay_equals_eager():
-    c = _case("real", 1, torch.bfloat16, seed=93)
-    tiles = _tiles(c, "v4")
-
-    def step():
-        proj = gemv.linear(c.x, c.w[layers.SHARED_FUSED])
-        return ek.routed_experts_triton(c.x, c.bank, c.layout, c.slots, c.weights, tiles,
-                                        SharedIn(proj, c.w["shared_expert.down_proj.weight"]))
-    _assert_replay_equals_eager(c, step, (94, 95))

@@ -34,7 +34,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ftchat.kernels import fused_kernels, moe_prefill as mp
+from ftchat.kernels import moe_prefill as mp
+from ftchat.kernels.config import KernelConfig
 from ftchat.codecs import nvfp4
 from ftchat.codecs.rows import RowLayout
 from ftchat.offload.experts import routed_experts, routed_experts_torch
@@ -289,8 +290,8 @@ def test_dispatch():
     torch_path = routed_experts_torch(x, bank, layout, slots, ids, w)
     if x.is_cuda:  # the kernels; fused kernels off: the torch path
         assert torch.equal(got, mp.routed_experts_grouped(x, bank, layout, slots, ids, w))
-        with fused_kernels(False):
-            assert torch.equal(routed_experts(x, bank, layout, slots, ids, w), torch_path)
+        off = KernelConfig(fused=False)
+        assert torch.equal(routed_experts(x, bank, layout, slots, ids, w, kc=off), torch_path)
     else:  # CPU tensors: the torch path
         assert torch.equal(got, torch_path)
     assert not mp.supports(x.float(), layout)  # fp32 activations stay on the torch path

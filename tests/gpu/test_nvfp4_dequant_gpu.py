@@ -15,7 +15,8 @@ import os
 import pytest
 import torch
 
-from ftchat.kernels import fused_kernels, nvfp4_dequant as nd
+from ftchat.kernels import nvfp4_dequant as nd
+from ftchat.kernels.config import KernelConfig
 from ftchat.codecs.rows import RowLayout
 from tests.kernel_inputs import kernel_device, random_rows
 
@@ -63,8 +64,8 @@ def test_dispatch_and_negative_control():
     p, s, g = _weight(16, 64, seed=5)
     want = nd.dequantize_ref(p, s, g, torch.bfloat16)
     assert torch.equal(nd.dequantize(p, s, g, torch.bfloat16), want)
-    with fused_kernels(False):  # the torch form
-        assert torch.equal(nd.dequantize(p, s, g, torch.bfloat16), want)
+    off = KernelConfig(fused=False)  # the torch form
+    assert torch.equal(nd.dequantize(p, s, g, torch.bfloat16, kc=off), want)
     bad = p.clone()
     bad[3, 5] ^= 0x11  # one bit of both nibbles of one byte
     got = nd.dequantize_triton(bad, s, g, torch.bfloat16)

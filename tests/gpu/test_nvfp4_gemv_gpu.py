@@ -8,8 +8,7 @@ TRITON_INTERPRET=1 is read when the kernels are decorated, so set it on the comm
 interpreter pays per program and per operation: there the real shape (N4 = 16384 NVFP4 rows as
 qkv 10240 + z 6144, each with its own global, a 96-row bf16 tail, K = 2560) runs with large
 tiles (few programs, still split-K) and at fewer (dtype, rows, tail) triples, the default tiles
-on the smaller shapes; the interpreter cannot run the inline-PTX decode, so there every tile runs
-the bit-step decode (the PTX one is checked on the device: test_ptx_decode_equals_bit_decode).
+on the smaller shapes.
 
 The weights are random normals quantized by `nvfp4.quantize` (two row groups, two globals). The
 reference is computed here, independently of the kernel: y64 = float64 x @ W^T with W =
@@ -23,11 +22,10 @@ bit-identical, a CUDA-graph replay equals eager, the counters are left zero. Neg
 one packed code (its sign flipped, at its row's largest product) or one block scale (doubled, at
 its row's largest group) changed: that output column fails the check, every other one passes,
 and the changed column matches the float64 math of the changed weights.
-The x-once tiles (Nvfp4Tiles.x1d / .rowloop) and the byte-form decode (.byte_dec) run the same
-checks at bs 1, 2, 3, 8, with bf16 and fp32 x, split 1 and > 1, K inside and overhanging the last
-chunk, N4 not a multiple of block_n, the tail on and off; the decode helpers are checked
-exhaustively (every byte value at every byte of a word, every code at every position) against
-the E2M1 table written out here.
+The row-loop tiles (Nvfp4Tiles.rowloop, the bs-1 default) run the same checks at bs 1, 2, 3, 8,
+with bf16 and fp32 x, split 1 and > 1, K inside and overhanging the last chunk, N4 not a multiple
+of block_n, the tail on and off; the E2M1 decode is checked exhaustively (every byte value at
+every byte of a word, every code at every position) against the E2M1 table written out here.
 """
 
 from __future__ import annotations
@@ -38,7 +36,8 @@ import os
 import pytest
 import torch
 
-from ftchat.kernels import HAS_TRITON, fp4, fused_kernels, nvfp4_gemv as ng, sync, tl, triton
+from ftchat.kernels import HAS_TRITON, fp4, nvfp4_gemv as ng, sync, tl, triton
+from ftchat.kernels.config import KernelConfig
 from ftchat.codecs import nvfp4
 from tests.kernel_inputs import capture, kernel_device
 
@@ -171,7 +170,7 @@ def test_default_tiles_odd_shapes(shape, dtype, lead):
 
 TILES = [ng.Nvfp4Tiles(8, 16, 3, 1, 4), ng.Nvfp4Tiles(4, 32, 2, 2, 8),
          ng.Nvfp4Tiles(16, 64, 1, 4, 2), ng.Nvfp4Tiles(2, 256, 8, 1, 16),
-         ng.Nvfp4Tiles(32, 128, 4, 2, 4, ptx=True),
+         ng.Nvfp4Tiles(32, 128, 4, 2, 4),
          # the tensor-core path: one group a chunk (several a program), a split, a whole-K chunk
          ng.Nvfp4Tiles(16, 32, 3, 1, 4, tc=True), ng.Nvfp4Tiles(32, 32, 2, 2, 8, tc=True),
          ng.Nvfp4Tiles(64, 64, 1, 4, 2, tc=True)]
@@ -179,7 +178,7 @@ TILES = [ng.Nvfp4Tiles(8, 16, 3, 1, 4), ng.Nvfp4Tiles(4, 32, 2, 2, 8),
 
 @pytest.mark.parametrize("lead", [(), (1, 1), (2,), (3, 1), (2, 2, 2)], ids=str)
 @pytest.mark.parametrize("tiles", TILES, ids=["8x16s3", "4x32s2", "16x64s1", "2x256s8",
-                                              "32x128s4ptx", "16x32s3tc", "32x32s2tc",
+                                              "32x128s4w2", "16x32s3tc", "32x32s2tc",
                                               "64x64s1tc"])
 def test_lead_shapes_tiles_and_masks(lead, tiles):
     # N4 = 37, Nt = 5, K = 48 (3 groups): masked row blocks and tail blocks, chunks of one group
@@ -240,14 +239,13 @@ def test_wrapper_rejects_what_it_cannot_take():
         ng.nvfp4_linear_triton(x, packed, scale, g, tail, ng.Nvfp4Tiles(16, 16, 1, 1, tc=True))
 
 
-def test_default_tiles_rule_and_sweep():
+def test_default_tiles_rule():
     # the documented default at the decode shape, bs 1: the row loop, one-warp programs of 8 rows
     # over 5 chunks of 512 columns (split 1); narrower outputs and fp32 x: 8 x 512 split 5
     assert ng.default_tiles(*REAL, 1) == ng.Nvfp4Tiles(8, 512, 1, 1, 4, rowloop=True)
     assert ng.launch_plan(2560, ng.default_tiles(*REAL)) == (512, 1, 5)
     assert ng.default_tiles(*REAL, 1, bf16=False) == ng.Nvfp4Tiles(8, 512, 5, 1, 4)
     assert ng.default_tiles(4096, 96, 2560, 1) == ng.Nvfp4Tiles(8, 512, 5, 1, 4)
-    assert ng.default_tiles(*REAL, 1) in ng.SWEEP
     # from two bf16 rows the tensor-core tiles, one 256-column chunk a program; fp32 x keeps
     # the one-warp tiles
     assert ng.default_tiles(*REAL, 2) == ng.Nvfp4Tiles(64, 256, 10, 4, 4, tc=True)
@@ -259,35 +257,22 @@ def test_default_tiles_rule_and_sweep():
         assert (bk, split) == (t.block_k, t.split) and cpp <= 2 and K % (bk * cpp) == 0
         assert t.warps == 1 and t.block_n == 8 and bk == 512
         assert -(-N4 // t.block_n) * split >= 1000, (N4, K, t)
-    for t in ng.SWEEP:
-        assert all(v > 0 and v & (v - 1) == 0 for v in (t.block_n, t.block_k, t.tail_n))
+    for rows in (1, 2):  # what the defaults pick at the decode shape: no mask along K there
+        t = ng.default_tiles(*REAL, rows)
         bk, split, cpp = ng.launch_plan(2560, t)
-        assert 2560 % (bk * cpp) == 0, t  # no mask along K at the decode shape
-        assert not (t.x1d and t.rowloop) and not (t.tc and (t.x1d or t.rowloop)), t
+        assert 2560 % (bk * cpp) == 0, t
         assert not t.rowloop or (bk == 512 and t.warps == 1), t  # a group a lane (Nvfp4Tiles)
-    assert len(set(ng.SWEEP)) == len(ng.SWEEP)
-    assert ng.SWEEP[0] == ng.default_tiles(*REAL, bf16=False)  # the split tiles first
-    # the x-once tiles, each decode, split 1 and 5 among them
-    for flag in ("x1d", "rowloop"):
-        mine = [t for t in ng.SWEEP if getattr(t, flag)]
-        assert {(t.byte_dec, t.ptx) for t in mine} == {(False, False), (True, False), (True, True)}
-        assert {ng.launch_plan(2560, t)[1] for t in mine} >= {1, 5}
 
 
-# ===== x read once a chunk (x1d, rowloop) and the byte-form decode =====
+# ===== the row loop (x read once a chunk) =====
 
-# (tiles, its id): x1d and rowloop, each with the bit, byte and byte-PTX decodes (the PTX one
-# runs its Triton form in the interpreter); at K = 48 (3 groups) block_k 16 is one group a chunk
-# (split 3: a program each), 32 two programs' worth in one (split 1: the second chunk overhangs
-# K), 64 one masked chunk
+# (tiles, its id): at K = 48 (3 groups) block_k 16 is one group a chunk (split 3: a program
+# each), 32 two programs' worth in one (split 1: the second chunk overhangs K), 64 one masked
+# chunk
 X_TILES = [
-    (ng.Nvfp4Tiles(8, 16, 3, 1, 4, x1d=True), "x1d-8x16s3"),
-    (ng.Nvfp4Tiles(4, 32, 1, 2, 8, x1d=True, byte_dec=True), "x1d-4x32s1w2-byte"),
-    (ng.Nvfp4Tiles(16, 64, 2, 1, 2, x1d=True, byte_dec=True, ptx=True), "x1d-16x64s2-byteptx"),
     (ng.Nvfp4Tiles(8, 16, 3, 1, 4, rowloop=True), "rows-8x16s3"),
-    (ng.Nvfp4Tiles(4, 32, 1, 1, 8, rowloop=True, byte_dec=True), "rows-4x32s1-byte"),
-    (ng.Nvfp4Tiles(16, 64, 2, 2, 2, rowloop=True, byte_dec=True, ptx=True),
-     "rows-16x64s2w2-byteptx"),
+    (ng.Nvfp4Tiles(4, 32, 1, 1, 8, rowloop=True), "rows-4x32s1"),
+    (ng.Nvfp4Tiles(16, 64, 2, 2, 2, rowloop=True), "rows-16x64s2w2"),
 ]
 X_LEADS = [(1,), (2,), (3, 1), (8,)]
 
@@ -295,7 +280,7 @@ X_LEADS = [(1,), (2,), (3, 1), (8,)]
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("lead", X_LEADS, ids=_ids)
 @pytest.mark.parametrize("tiles", [t for t, _ in X_TILES], ids=[i for _, i in X_TILES])
-def test_x_once_tiles_match_float64(tiles, lead, dtype):
+def test_rowloop_tiles_match_float64(tiles, lead, dtype):
     # N4 = 37 (masked row blocks: 37 is no multiple of 4, 8 or 16), Nt = 5, K = 48; the tail on
     # for bf16, off for fp32
     tail = dtype == BF16
@@ -305,79 +290,52 @@ def test_x_once_tiles_match_float64(tiles, lead, dtype):
 
 
 X_SHAPES = [  # (shape, tiles, id): K = 1040 (65 groups) overhangs a program's chunks; K = 2560
-    ((40, 7, 1040), ng.Nvfp4Tiles(8, 64, 3, 1, 4, x1d=True, byte_dec=True), "x1d-1040cpp"),
-    ((40, 7, 1040), ng.Nvfp4Tiles(16, 512, 1, 2, 4, x1d=True), "x1d-1040whole"),
-    ((40, 7, 1040), ng.Nvfp4Tiles(8, 256, 2, 1, 4, rowloop=True, byte_dec=True, ptx=True),
-     "rows-1040s2"),
-    ((32, 4, 2560), ng.Nvfp4Tiles(8, 512, 5, 1, x1d=True, byte_dec=True, ptx=True), "x1d-2560s5"),
+    ((40, 7, 1040), ng.Nvfp4Tiles(8, 256, 2, 1, 4, rowloop=True), "rows-1040s2"),
     ((32, 4, 2560), ng.Nvfp4Tiles(8, 512, 1, 1, rowloop=True), "rows-2560s1"),
+    ((32, 4, 2560), ng.Nvfp4Tiles(8, 512, 5, 1, rowloop=True), "rows-2560s5"),
 ]
 
 
 @pytest.mark.parametrize("shape,tiles", [(s, t) for s, t, _ in X_SHAPES],
                          ids=[i for _, _, i in X_SHAPES])
 @pytest.mark.parametrize("dtype,lead", [(BF16, (1,)), (FP32, (2,)), (BF16, (3,))], ids=_ids)
-def test_x_once_tiles_masked_k_and_decode_k(shape, tiles, dtype, lead):
+def test_rowloop_tiles_masked_k_and_decode_k(shape, tiles, dtype, lead):
     bk, _, cpp = ng.launch_plan(shape[2], tiles)
     assert (shape[2] % (bk * cpp) != 0) == (shape[2] == 1040)  # 1040: the last chunk is masked
     args, y64 = _case(shape, lead, dtype, seed=sum(shape))
     _check(args, y64, tiles)
 
 
-@pytest.mark.parametrize("variant", ["x1d", "rowloop"])
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=["bf16", "fp32"])
-def test_x_once_decodes_equal_and_split_invariant(variant, dtype):
-    # the decodes give the same fp32 values, so the same bits out; split 1 against split 5
-    # (another order of the same fp32 sums) within one bf16 ulp / the fp32 tolerance; the
-    # default tiles within the same. (The interpreter runs byte-PTX as byte: left out there)
+def test_rowloop_split_invariant(dtype):
+    # split 1 against split 5 (another order of the same fp32 sums) within one bf16 ulp / the
+    # fp32 tolerance; the tiled defaults within the same
     shape = (16, 4, 2560) if INTERPRET else (300, 24, 2560)
     args, y64 = _case(shape, (2,), dtype, seed=43)
-    decs = [{}, {"byte_dec": True}] + ([] if INTERPRET else [{"byte_dec": True, "ptx": True}])
-    outs = [[ng.nvfp4_linear_triton(*args, tiles=ng.Nvfp4Tiles(8, 512, s, 1, **{variant: True},
-                                                               **dec)) for dec in decs]
+    outs = [ng.nvfp4_linear_triton(*args, tiles=ng.Nvfp4Tiles(8, 512, s, 1, rowloop=True))
             for s in (1, 5)]
-    for got in outs[0] + outs[1]:
+    for got in outs:
         assert _close(got, y64, dtype), _err(got, y64)
-    assert all(torch.equal(o, same[0]) for same in outs for o in same[1:])
-    assert _close(outs[0][0], outs[1][0], dtype, ulps=1), _err(outs[0][0], outs[1][0])
+    assert _close(outs[0], outs[1], dtype, ulps=1), _err(outs[0], outs[1])
     ref = ng.nvfp4_linear_triton(*args)
-    assert _close(outs[0][0], ref, dtype, ulps=1), _err(outs[0][0], ref)
+    assert _close(outs[0], ref, dtype, ulps=1), _err(outs[0], ref)
 
 
-def test_x_once_tiles_unaligned_x_and_bad_combinations():
+def test_rowloop_tiles_unaligned_x_and_bad_combinations():
     # bf16 x whose rows start 2 bytes off a 4-byte boundary (the int32 pair loads): copied first,
-    # the same result; x1d with rowloop, or either with tc, is refused
+    # the same result; rowloop with tc is refused
     (x, packed, scale, g, tail), y64 = _case((37, 5, 48), (2,), BF16, seed=44)
     flat = torch.zeros(2 * 48 + 1, dtype=BF16, device=x.device)
     flat[1:].copy_(x.reshape(-1))
     xs = flat[1:].view(2, 48)
     assert xs.data_ptr() % 4 == 2
-    for t in (ng.Nvfp4Tiles(8, 16, 3, 1, x1d=True), ng.Nvfp4Tiles(8, 16, 3, 1, rowloop=True)):
-        got = ng.nvfp4_linear_triton(xs, packed, scale, g, tail, t)
-        assert torch.equal(got, ng.nvfp4_linear_triton(x, packed, scale, g, tail, t))
-        assert _close(got, y64, BF16), _err(got, y64)
-    for bad in (ng.Nvfp4Tiles(16, 32, 1, 1, x1d=True, rowloop=True),
-                ng.Nvfp4Tiles(16, 32, 1, 1, tc=True, x1d=True),
-                ng.Nvfp4Tiles(16, 32, 1, 1, tc=True, rowloop=True)):
-        with pytest.raises(AssertionError):
-            ng.nvfp4_linear_triton(x, packed, scale, g, tail, bad)
-
-
-def test_kernel_flags():
-    # the decode and x-read constexprs; the PTX decodes fall back to their bit forms off CUDA
-    # and in the interpreter
-    T = ng.Nvfp4Tiles
-    cpu = torch.device("cpu")
-    assert ng.kernel_flags(T(8, 512, 5, 1), cpu) == {"DEC": ng.DEC_BITS, "XV": ng.XV_ROWS2D}
-    assert ng.kernel_flags(T(8, 512, 5, 1, ptx=True), cpu)["DEC"] == ng.DEC_BITS
-    assert ng.kernel_flags(T(8, 512, 5, 1, byte_dec=True), cpu)["DEC"] == ng.DEC_BYTES
-    assert ng.kernel_flags(T(8, 512, 5, 1, ptx=True, byte_dec=True), cpu)["DEC"] == ng.DEC_BYTES
-    assert ng.kernel_flags(T(8, 512, 5, 1, x1d=True), cpu)["XV"] == ng.XV_X1D
-    assert ng.kernel_flags(T(8, 512, 1, 1, rowloop=True), cpu)["XV"] == ng.XV_ROWLOOP
-    if DEVICE == "cuda" and not INTERPRET:
-        dev = torch.device("cuda")
-        assert ng.kernel_flags(T(8, 512, 5, 1, ptx=True, byte_dec=True), dev)["DEC"] == \
-            ng.DEC_BYTES_PTX
+    t = ng.Nvfp4Tiles(8, 16, 3, 1, rowloop=True)
+    got = ng.nvfp4_linear_triton(xs, packed, scale, g, tail, t)
+    assert torch.equal(got, ng.nvfp4_linear_triton(x, packed, scale, g, tail, t))
+    assert _close(got, y64, BF16), _err(got, y64)
+    with pytest.raises(AssertionError):
+        ng.nvfp4_linear_triton(x, packed, scale, g, tail,
+                               ng.Nvfp4Tiles(16, 32, 1, 1, tc=True, rowloop=True))
 
 
 # E2M1 code -> value, written out (docs/model.md section 12), then times the decodes' 2^-14
@@ -385,21 +343,12 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 
 if HAS_TRITON:
     @triton.jit
-    def _decode_kernel(w_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr,
-                       DEC: tl.constexpr):
-        # out[j, i] = code j of word i as fp32, by decode DEC (nvfp4_gemv's DEC_*)
+    def _decode_kernel(w_ptr, out_ptr, N: tl.constexpr, BLOCK: tl.constexpr):
+        # out[j, i] = code j of word i as fp32, by the kernels' decode (fp4._codes)
         i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = i < N
         w = tl.load(w_ptr + i, mask=ok, other=0)
-        if DEC == 0:
-            c0, c4 = fp4._e2m1_pair(w, 0)
-            c1, c5 = fp4._e2m1_pair(w, 1)
-            c2, c6 = fp4._e2m1_pair(w, 2)
-            c3, c7 = fp4._e2m1_pair(w, 3)
-        elif DEC == 2:
-            c0, c1, c2, c3, c4, c5, c6, c7 = fp4._e2m1_bytes(w)
-        else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = fp4._e2m1_bytes_ptx(w)
+        c0, c1, c2, c3, c4, c5, c6, c7 = fp4._codes(w)
         tl.store(out_ptr + 0 * N + i, c0, mask=ok)
         tl.store(out_ptr + 1 * N + i, c1, mask=ok)
         tl.store(out_ptr + 2 * N + i, c2, mask=ok)
@@ -425,17 +374,12 @@ def _all_byte_words() -> torch.Tensor:
     return torch.where(u >= 2**31, u - 2**32, u).to(torch.int32)
 
 
-@pytest.mark.parametrize("dec", [0, 2, 3], ids=["pair", "bytes", "bytes_ptx"])
-def test_decode_helpers_exhaustive(dec):
-    # every decode gives E2M1 * 2^-14 bit for bit (-0 included) for every code at every position:
-    # the byte forms are drop-in for _e2m1_pair. (bytes_ptx: CUDA only; the interpreter has no
-    # inline PTX)
-    if dec == 3 and (INTERPRET or DEVICE != "cuda"):
-        pytest.skip("inline PTX needs CUDA")
+def test_decode_exhaustive():
+    # the decode gives E2M1 * 2^-14 bit for bit (-0 included) for every code at every position
     words = _all_byte_words()
     N = words.numel()
     out = torch.empty(8, N, dtype=FP32, device=DEVICE)
-    _decode_kernel[(triton.cdiv(N, 1024),)](words.to(DEVICE), out, N=N, BLOCK=1024, DEC=dec)
+    _decode_kernel[(triton.cdiv(N, 1024),)](words.to(DEVICE), out, N=N, BLOCK=1024)
     u = words.to(torch.int64) & 0xFFFFFFFF
     table = torch.tensor(E2M1, dtype=FP32) * 2.0**-14
     want = torch.stack([table[(u >> (4 * j)) & 15] for j in range(8)])  # [8, N]
@@ -461,15 +405,6 @@ def test_deterministic_and_split_invariant(dtype):
         assert _close(got, y64, dtype), _err(got, y64)
     for got in (first, split, uneven):
         assert _close(got, whole, dtype, ulps=1), _err(got, whole)
-
-
-def test_ptx_decode_equals_bit_decode():
-    # the PTX decode (values x 2^-6) and the bit steps (x 2^-14) feed the same products scaled by
-    # a power of two, undone exactly: the same bits. (In the interpreter both run the bit steps.)
-    args, y64 = _case((32, 4, 2560) if INTERPRET else (300, 24, 2560), (2,), BF16, seed=22)
-    ptx = ng.nvfp4_linear_triton(*args, tiles=ng.Nvfp4Tiles(8, 512, 5, 1, ptx=True))
-    bits = ng.nvfp4_linear_triton(*args, tiles=ng.Nvfp4Tiles(8, 512, 5, 1, ptx=False))
-    assert _close(ptx, y64, BF16) and torch.equal(ptx, bits)
 
 
 def test_counters_left_zero_and_owned():
@@ -526,8 +461,7 @@ def test_dispatch_picks_the_path():
     ref = ng.nvfp4_linear_ref(*args)
     want = ng.nvfp4_linear_triton(*args) if fused else ref
     assert torch.equal(ng.linear(*args), want)
-    with fused_kernels(False):
-        assert torch.equal(ng.linear(*args), ref)
+    assert torch.equal(ng.linear(*args, kc=KernelConfig(fused=False)), ref)
     x, packed, scale, g, tail = args
     x3 = torch.cat([x.reshape(2, -1), x.reshape(2, -1)[:1]])  # 3 rows: still the kernel
     want3 = ng.nvfp4_linear_triton(x3, packed, scale, g, tail) if fused else \

@@ -157,8 +157,8 @@ def test_eviction_of_a_slot_whose_prefetch_copy_is_in_flight(folders):
         # targets, however loaded the GPU. The compute stream waits for every prefetch copy at
         # the end of each step (both arms), so a late copy corrupts a slot the next step reads:
         # without it the delayed copies pile up on their stream (41 steps x layers x 50 ms)
-        # and most land after the last step, which hid the race in session 19 (two verify
-        # processes beside it, MPS); 20M cycles hid it in session 18 (five)
+        # and most land after the last step, which hid the race on a GPU shared with two verify
+        # processes (MPS); 20M cycles hid it beside five
         _sleepy(ex, "prefetch", 100_000_000)
         end_step = ex.end_step
 

@@ -1,25 +1,28 @@
-"""Programmatic dependent launch (ftchat.kernels.pdl_launch, sync.pdl_wait / pdl_release).
+"""Programmatic dependent launch (ftchat.kernels.pdl_launch, KernelConfig.pdl, sync.pdl_wait /
+pdl_release).
 
 The decode kernels launch with PDL on sm_90+: each may start while the previous kernel drains,
 issues its weight loads, and waits for the previous kernel before it reads activations or writes.
 A wait placed wrong shows as a race: other bits than the launch without PDL, or bits that move
 between replays. So the test decodes the same prompts with PDL on and off, each in its own
-captured graph (the choice is fixed at capture), and eagerly with PDL on, and asks for the same
-tokens and logits bit for bit, on the tiny model (every kernel family: GDN, QSA, HC, MoE, NVFP4
-dense projections at bs 1 and bs 2) and replayed twice. The on arm is checked to launch with PDL
-at all (else the comparison would be vacuous). CUDA only: PDL does not exist in the Triton
+captured graph (the weights' KernelConfig: pdl on or off), and eagerly with PDL on, and asks for
+the same tokens and logits bit for bit, on the tiny model (every kernel family: GDN, QSA, HC,
+MoE, NVFP4 dense projections at bs 1 and bs 2) and replayed twice. The on arm is checked to
+launch with PDL at all (else the comparison would be vacuous). CUDA only: PDL does not exist in the Triton
 interpreter (pdl_launch gives PDL False there, checked on the CPU too).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 
 from ftchat.engine import generate, resident_backend
-from ftchat.kernels import pdl_kernels, pdl_launch
+from ftchat.kernels import pdl_launch
+from ftchat.kernels.config import KernelConfig
 from tests.kernel_inputs import needs_hopper as hopper_marker
 
 pytestmark = pytest.mark.gpu
@@ -31,15 +34,14 @@ STEPS = 24
 
 
 def test_no_pdl_off_the_gpu_or_when_switched_off():
-    assert pdl_launch(torch.zeros(1)) == {"PDL": False}
+    assert pdl_launch(torch.zeros(1), True) == {"PDL": False}
     if CUDA:
-        with pdl_kernels(False):
-            assert pdl_launch(torch.zeros(1, device="cuda")) == {"PDL": False}
+        assert pdl_launch(torch.zeros(1, device="cuda"), False) == {"PDL": False}
 
 
 def _run(m, batch, graph: bool, pdl: bool):
-    with pdl_kernels(pdl):  # the graph is captured inside: it keeps the choice
-        steps = list(generate(m, batch, STEPS, resident_backend(m), graph=graph))
+    m = dataclasses.replace(m, weights=m.weights.with_kernels(KernelConfig(pdl=pdl)))
+    steps = list(generate(m, batch, STEPS, resident_backend(m), graph=graph))
     return [s.tokens for s in steps], torch.stack([s.logits for s in steps]).cpu()
 
 
@@ -49,7 +51,7 @@ def test_pdl_changes_no_bit(rows):
     from ftchat.model.synth_memory import synthetic_model
 
     m = synthetic_model("tiny", 4, "nvfp4-modelopt", "cuda", torch.bfloat16, dense="nvfp4")
-    assert pdl_launch(torch.zeros(1, device="cuda")) == {"PDL": True, "launch_pdl": True}
+    assert pdl_launch(torch.zeros(1, device="cuda"), True) == {"PDL": True, "launch_pdl": True}
     batch = PROMPTS[:rows]
     tok_off, log_off = _run(m, batch, graph=True, pdl=False)
     tok_on, log_on = _run(m, batch, graph=True, pdl=True)

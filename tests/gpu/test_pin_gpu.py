@@ -1,7 +1,7 @@
 """GPU tier: a pinned host tensor's registration ends when the tensor is collected.
 
 A registration left behind after its memory is freed is inherited by the next allocation at
-those addresses: session 18's GPU tier saw a later model's embedding copy fail with "invalid
+those addresses: a GPU tier once saw a later model's embedding copy fail with "invalid
 argument" after the offload tests had loaded and dropped many models."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ftchat.model.ngram_table import page_tensor
-from ftchat.offload import store
+from ftchat import host_memory
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def _register(t: torch.Tensor) -> int:
 def _pin_a_view_and_drop_it() -> torch.Tensor:
     base = page_tensor((1 << 20,), torch.uint8)  # own pages; its memory outlives the view
     view = base[:]
-    store.pin(view)
+    host_memory.pin(view)
     assert view.is_pinned() and base.is_pinned()
     del view
     gc.collect()
@@ -41,10 +41,10 @@ def test_registration_ends_when_the_pinned_tensor_is_collected():
 
 
 def test_control_without_the_unregistration_the_entry_stays(monkeypatch):
-    monkeypatch.setattr(store.weakref, "finalize", lambda *a, **k: types.SimpleNamespace())
+    monkeypatch.setattr(host_memory.weakref, "finalize", lambda *a, **k: types.SimpleNamespace())
     base = _pin_a_view_and_drop_it()
     assert base.is_pinned()  # stale: the view is gone, its registration is not
     # no refused cudaHostRegister here to show it: the runtime keeps that error as its last
-    # one, and the next kernel launch anywhere in the process raises it (session 20: the
-    # first test of the next file failed with "already mapped")
+    # one, and the next kernel launch anywhere in the process raises it (the first test of
+    # the next file then fails with "already mapped")
     assert int(torch.cuda.cudart().cudaHostUnregister(base.data_ptr())) == 0  # entry dropped

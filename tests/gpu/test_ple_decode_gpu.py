@@ -18,9 +18,9 @@
   interpreter the bf16 results equal the CPU torch path bit for bit; fp32 differs by <= 1e-6.
   The conv state's shifted columns are exact; its new column (N) is within the same bound.
   Negative control: one channel's conv taps moved by 1 fail the same check.
-* On CUDA: decode with the switch on replays its eager tokens and logits bit for bit in a
-  graph, and the fp32 logits of the first decode step match the switch off within 1e-4 of
-  the largest, but not bit for bit (so the fused path ran).
+* On CUDA: decode with the fused PLE replays its eager tokens and logits bit for bit in a
+  graph, and the fp32 logits of the first decode step match the torch PLE path's (`supported`
+  patched false) within 1e-4 of the largest, but not bit for bit (so the fused path ran).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import os
 import pytest
 import torch
 
-from ftchat.kernels import HAS_TRITON, ple_decode, ple_fused_kernels
+from ftchat.kernels import HAS_TRITON, ple_decode
 from ftchat.model import ple
 from ftchat.model.layers import rms_norm
-from ftchat.model.synth_memory import model_args
+from ftchat.model.synth import model_args
 from tests.kernel_inputs import kernel_device
 
 pytestmark = pytest.mark.gpu
@@ -147,12 +147,14 @@ def test_block_kernel_matches_the_torch_path(geo, rows, dtype):
 
 
 @needs_cuda
-def test_decode_with_the_fused_ple_replays_eager_and_matches_the_torch_path():
+def test_decode_with_the_fused_ple_replays_eager_and_matches_the_torch_path(monkeypatch):
     from ftchat.engine import generate, resident_backend
     from ftchat.model.synth_memory import synthetic_model
 
     def run(m, graph: bool, on: bool):
-        with ple_fused_kernels(on):
+        with monkeypatch.context() as mp:
+            if not on:  # the torch PLE path, every other kernel as it is
+                mp.setattr(ple_decode, "supported", lambda R: False)
             steps = list(generate(m, [[3, 17, 99, 4, 250]], 12, resident_backend(m), graph=graph))
         return [s.tokens for s in steps], torch.stack([s.logits for s in steps]).cpu()
 

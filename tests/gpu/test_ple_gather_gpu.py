@@ -6,7 +6,7 @@ Two ways to run the same tests (the `gpu` marker is deselected by default, so na
     on CPU, Triton interpreter:  FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 \\
                                  pytest -m gpu tests/gpu/test_ple_gather_gpu.py
 (TRITON_INTERPRET=1 alone also picks the CPU.) On CUDA every table is host memory registered
-with cudaHostRegister (store.pin) and the kernel reads it over UVA; in the interpreter it is a
+with cudaHostRegister (host_memory.pin) and the kernel reads it over UVA; in the interpreter it is a
 CPU tensor and the decode test routes the model's gather through the kernel by hand. The graph
 tests need the device.
 
@@ -21,6 +21,7 @@ changes the replayed logits (the graph reads the pinned table on every replay).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -28,8 +29,9 @@ import torch
 
 import ftchat.engine as engine
 from ftchat.engine import Decoder, decode, generate, graph_safe, load_model, resident_backend
-from ftchat.kernels import HAS_TRITON, fused_kernels
+from ftchat.kernels import HAS_TRITON
 from ftchat.kernels import ple_gather as pg
+from ftchat.kernels.config import KernelConfig
 from ftchat.model.ngram_table import HostTable, page_tensor
 from ftchat.model.synth import PLE_FP8_SCALE, write_checkpoint
 
@@ -59,7 +61,7 @@ def host_table(table: torch.Tensor, copy: bool = True):
     if DEVICE == "cpu":
         yield table
         return
-    from ftchat.offload.store import pin
+    from ftchat.host_memory import pin
 
     t = table
     if copy:
@@ -158,7 +160,7 @@ def models(tmp_path_factory):
 @pytest.fixture
 def kernel_calls(monkeypatch):
     """Counts gather_triton calls; in the interpreter also routes the CPU model's gather through
-    the kernel (use_fused is CUDA-only)."""
+    the kernel (KernelConfig.runs_fused is CUDA-only)."""
     calls = []
     real = pg.gather_triton
 
@@ -168,7 +170,8 @@ def kernel_calls(monkeypatch):
 
     monkeypatch.setattr(pg, "gather_triton", counted)
     if DEVICE == "cpu":
-        monkeypatch.setattr(pg, "use_fused", lambda t: True)
+        monkeypatch.setattr(pg, "fused", lambda table, rows, dtype, kc=None:
+                            dtype in pg.OUT_DTYPES and table.device == rows.device)
     return calls
 
 
@@ -208,9 +211,10 @@ def test_decode_step_with_a_host_table_is_captured(models, kernel_calls):
 @needs_cuda
 def test_controls_no_kernel_no_graph_and_a_changed_table_is_seen(models):
     host, _ = models
-    with fused_kernels(False):  # the torch fallback syncs: the Decoder must not capture it
-        assert not graph_safe(host)
-        assert Decoder(host, resident_backend(host), 1, 32, graph=True).graph is None
+    # fused kernels off: the torch fallback syncs, the Decoder must not capture it
+    off = dataclasses.replace(host, weights=host.weights.with_kernels(KernelConfig(fused=False)))
+    assert not graph_safe(off)
+    assert Decoder(off, resident_backend(off), 1, 32, graph=True).graph is None
     dec = Decoder(host, resident_backend(host), len(PROMPTS), 64, graph=True)
     data = host.weights[NAME].data.view(torch.uint8)
 

@@ -49,9 +49,12 @@ import pytest
 import torch
 from torch import Tensor
 
-from ftchat.kernels import HAS_TRITON, fused_kernels
+from ftchat.kernels import HAS_TRITON
+from ftchat.kernels import qsa_attention as qa
 from ftchat.kernels import qsa_decode as qd
+from ftchat.kernels.config import KernelConfig
 from ftchat.model import qsa
+from ftchat.model.kv_cache import AttentionCache
 from ftchat.model.config import ModelArgs
 from ftchat.model.spec import dense_specs
 from ftchat.model.synth import _init, preset_config
@@ -118,7 +121,7 @@ def _layer(a: ModelArgs, dtype: torch.dtype, seed: int) -> dict:
 
 
 def _cache(a: ModelArgs, lengths: list[int], L: int, w: dict, dtype: torch.dtype, seed: int,
-           empty: float = float("nan")) -> dict:
+           empty: float = float("nan")) -> AttentionCache:
     """A layer cache of capacity L whose row b holds lengths[b] tokens: random k, v and raw ik,
     k̄ of the complete blocks pooled from them (qsa.block_keys, as the prefill writes it). Every
     other slot holds `empty`, NaN by default: nothing may read it before the decode writes it."""
@@ -126,20 +129,32 @@ def _cache(a: ModelArgs, lengths: list[int], L: int, w: dict, dtype: torch.dtype
     Hkv, hd, di = a.num_key_value_heads, a.head_dim, a.indexer_head_dim
     gen = torch.Generator().manual_seed(seed)
     nan = lambda *s: torch.full(s, empty, dtype=dtype, device=DEVICE)  # noqa: E731
-    c = {"k": nan(B, L, Hkv, hd), "v": nan(B, L, Hkv, hd), "ik": nan(B, L, di), "kbar": nan(B, L // r, di)}
+    c = AttentionCache(nan(B, L, Hkv, hd), nan(B, L, Hkv, hd), nan(B, L, di), nan(B, L // r, di))
     for b, n in enumerate(lengths):
-        for name in ("k", "v", "ik"):
-            c[name][b, :n] = torch.randn(n, *c[name].shape[2:], generator=gen).to(DEVICE, dtype)
+        for t in (c.k, c.v, c.ik):
+            t[b, :n] = torch.randn(n, *t.shape[2:], generator=gen).to(DEVICE, dtype)
         nb = n // r
         if nb:
-            raw = c["ik"][b, : nb * r].unflatten(0, (nb, r))
+            raw = c.ik[b, : nb * r].unflatten(0, (nb, r))
             start = torch.arange(nb, device=DEVICE) * r
-            c["kbar"][b, :nb] = qsa.block_keys(raw, start, w, a)
+            c.kbar[b, :nb] = qsa.block_keys(raw, start, w, a)
     return c
 
 
-def _clone(c: dict) -> dict:
-    return {k: v.clone() for k, v in c.items()}
+def _tensors(c: AttentionCache) -> dict[str, Tensor]:
+    """The cache's tensors by field name (k, v, ik, kbar; FP8: the scales too)."""
+    return {f.name: getattr(c, f.name) for f in dataclasses.fields(c)
+            if getattr(c, f.name) is not None}
+
+
+def _clone(c: AttentionCache) -> AttentionCache:
+    return dataclasses.replace(c, **{n: t.clone() for n, t in _tensors(c).items()})
+
+
+def _prep(proj: Tensor, pos: Tensor, c: AttentionCache, norms, dims, a: ModelArgs):
+    """qsa_prep of proj into the cache c (the fused decode's call)."""
+    return qd.qsa_prep(proj, pos, c.k, c.v, c.ik, c.kbar, norms, dims, a.rms_norm_eps,
+                       a.rope_theta, c.kv_scales())
 
 
 def _split(proj: Tensor, a: ModelArgs):
@@ -210,13 +225,14 @@ def _run_prep(a, dtype, lengths, steps, seed, L=None, shift=0):
         pos = torch.tensor(lengths, device=DEVICE)[:, None] + t  # [B, 1]
         proj = torch.randn(len(lengths), dims.proj_width, generator=gen).to(DEVICE, dtype)
         q_r, _, iq_r = qsa.attention_inputs_ref(*_split(proj, a), w, ref_c, pos, a)
-        q_k, iq_k = qd.qsa_prep(proj, pos + shift, got_c, norms, dims, a.rms_norm_eps, a.rope_theta)
+        q_k, iq_k = _prep(proj, pos + shift, got_c, norms, dims, a)
         if shift:  # only q: the caches were written elsewhere
             return {"q": _excess(q_k, q_r[:, 0], kind)}
         for n, g, r in (("q", q_k, q_r[:, 0]), ("iq", iq_k, iq_r[:, 0])):
             assert g.dtype == dtype and g.shape == r.shape
             worst[n] = max(worst.get(n, 0.0), _excess(g, r, kind))
-    worst.update({n: _excess(got_c[n], ref_c[n], kind) for n in ref_c})  # every slot, once
+    got_t = _tensors(got_c)
+    worst.update({n: _excess(got_t[n], t, kind) for n, t in _tensors(ref_c).items()})  # all slots
     return worst
 
 
@@ -383,12 +399,12 @@ def test_attention_matches_reference(geo, B, dtype):
         blocks, keys = qsa.select_blocks_fused(iq, kbar, pos, kv_len, a)
         # default, one tile per split, 3 (the last split part-full), a single split
         for tiles in (None,) if slow else (None, 1, 3, 10**6):
-            got = qd.qsa_attention(q, gate, k, v, pos, dims, blocks=blocks, block_keys=keys,
+            got = qa.qsa_attention(q, gate, k, v, pos, dims, blocks=blocks, block_keys=keys,
                                    tiles=tiles)
             assert got.shape == ref.shape and got.dtype == dtype
             worst[f"blocks{tiles}"] = max(worst.get(f"blocks{tiles}", 0.0),
                                           _excess(got, ref, _kind(dtype, "rows")))
-        got = qd.qsa_attention(q, gate, k, v, pos, dims, idx=idx, ok=ok)
+        got = qa.qsa_attention(q, gate, k, v, pos, dims, idx=idx, ok=ok)
         worst["tokens"] = max(worst.get("tokens", 0.0), _excess(got, ref, _kind(dtype, "rows")))
     _assert_pass(worst)
 
@@ -411,7 +427,7 @@ def test_masked_slots_contribute_nothing(dtype):
     ref = _attend_ref(q, gate, k, v, torch.where(ok, idx, 0), ok, a)  # the reference reads row 0
     dims = qsa.qsa_dims(a)
     for tiles in (1, 2, None):
-        got = qd.qsa_attention(q, gate, k, v, pos, dims, idx=idx, ok=ok, tiles=tiles, block_n=16)
+        got = qa.qsa_attention(q, gate, k, v, pos, dims, idx=idx, ok=ok, tiles=tiles, block_n=16)
         assert not got.isnan().any()
         e = _excess(got, ref, _kind(dtype, "rows"))
         assert e <= 1, (tiles, e)
@@ -431,7 +447,7 @@ def test_attention_negative_control_dropped_tokens(geo, drop, dtype):
     ref = _attend_ref(q, gate, k, v, idx, ok, a)
     bad = ok.clone()
     bad[:, :drop] = False  # the first chosen block's first tokens
-    got = qd.qsa_attention(q, gate, k, v, pos, qsa.qsa_dims(a), idx=idx, ok=bad)
+    got = qa.qsa_attention(q, gate, k, v, pos, qsa.qsa_dims(a), idx=idx, ok=bad)
     e = _excess(got, ref, _kind(dtype, "rows"))
     print(f"excess={e:.3g}", end=" ")
     assert e > 1
@@ -441,13 +457,13 @@ def test_attention_negative_control_dropped_tokens(geo, drop, dtype):
 
 
 class _Record:
-    """Wraps a function and keeps its last arguments and result."""
+    """Wraps a function and keeps its last positional arguments and result."""
 
     def __init__(self, fn):
         self.fn, self.args, self.out = fn, None, None
 
-    def __call__(self, *args):
-        self.args, self.out = args, self.fn(*args)
+    def __call__(self, *args, **kw):
+        self.args, self.out = args, self.fn(*args, **kw)
         return self.out
 
 
@@ -501,8 +517,9 @@ def _run_decode(geo, dtype, B, steps, seed, monkeypatch, prepare=None, cache_exc
             flips += 1
         else:
             worst = max(worst, _excess(got, ref, _kind(dtype, "rows"), ulps=STEP_ULPS))
+    got_t = _tensors(got_c)
     caches = (cache_excess(got_c, ref_c, dtype) if cache_excess else
-              {n: _excess(got_c[n], ref_c[n], _kind(dtype)) for n in ref_c})
+              {n: _excess(got_t[n], t, _kind(dtype)) for n, t in _tensors(ref_c).items()})
     return {"out": worst, **caches}, flips
 
 
@@ -519,8 +536,7 @@ def test_fused_decode_matches_reference(geo, B, dtype, monkeypatch):
     assert max(worst.values()) <= 1, worst
 
 
-def test_dispatcher_picks_the_path(monkeypatch):
-    monkeypatch.setattr(qsa, "FUSED_DECODE", True)  # the switch benchmarks may turn off
+def test_dispatcher_picks_the_path():
     a = _args("small")
     dtype = torch.bfloat16
     w = _layer(a, dtype, seed=60)
@@ -530,18 +546,17 @@ def test_dispatcher_picks_the_path(monkeypatch):
         x = torch.randn(2, T, a.hidden_size, generator=gen).to(DEVICE, dtype)
         pos = torch.tensor([[20], [33]], device=DEVICE) + torch.arange(T, device=DEVICE)
         caches = [_cache(a, [20, 33], 64, w, dtype, seed=62, empty=0.0) for _ in range(2)]
-        with fused_kernels(on):
-            got = qsa.attention_mixer(x, w, caches[0], pos, 40, a)
+        got = qsa.attention_mixer(x, w, caches[0], pos, 40, a, kc=KernelConfig(fused=on))
         fused = x.is_cuda and T == 1 and on  # CPU tensors (interpreter), prefill, off: the reference
         fn = qsa.attention_decode_fused if fused else qsa.attention_mixer_ref
         want = fn(x, w, caches[1], pos, 40, a)
         assert torch.equal(got, want)
-        assert all(torch.equal(caches[0][n], caches[1][n]) for n in caches[0])
+        mine, theirs = _tensors(caches[0]), _tensors(caches[1])
+        assert all(torch.equal(t, theirs[n]) for n, t in mine.items())
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need the device")
-def test_fused_step_replays_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setattr(qsa, "FUSED_DECODE", True)  # the captured step must be the fused one
+def test_fused_step_replays_in_a_cuda_graph():
     a = _args("real")
     B, dtype = 2, torch.bfloat16
     w = _layer(a, dtype, seed=70)
@@ -567,8 +582,9 @@ def test_fused_step_replays_in_a_cuda_graph(monkeypatch):
         graph.replay()
         want = qsa.attention_decode_fused(x, w, c_e, pos, L, a)
         assert torch.equal(y, want)  # deterministic: no atomics, the same kernels
-    for n in c_g:
-        assert torch.equal(c_g[n].nan_to_num(7.0), c_e[n].nan_to_num(7.0))
+    e = _tensors(c_e)
+    for n, t in _tensors(c_g).items():
+        assert torch.equal(t.nan_to_num(7.0), e[n].nan_to_num(7.0))
 
 
 def _span_runs(a, lengths: list[int], steps: int, L: int) -> tuple[list[Tensor], list[Tensor]]:
@@ -581,7 +597,7 @@ def _span_runs(a, lengths: list[int], steps: int, L: int) -> tuple[list[Tensor],
     c_g = _cache(a, lengths, L, w, dtype, seed=81)
     L_e = max(lengths) + steps + 1
     rows = {"k": L_e, "v": L_e, "ik": L_e, "kbar": L_e // a.indexer_compress_ratio}
-    c_e = {n: t[:, : rows[n]].clone() for n, t in c_g.items()}
+    c_e = AttentionCache(**{n: t[:, : rows[n]].clone() for n, t in _tensors(c_g).items()})
     gen = torch.Generator().manual_seed(82)
     eager, graph = [], []
     for t in range(steps):
@@ -589,9 +605,9 @@ def _span_runs(a, lengths: list[int], steps: int, L: int) -> tuple[list[Tensor],
         x = torch.randn(len(lengths), 1, a.hidden_size, generator=gen).to(DEVICE, dtype)
         eager.append(qsa.attention_decode_fused(x, w, c_e, pos, int(pos.max()) + 1, a))
         graph.append(qsa.attention_decode_fused(x, w, c_g, pos, L, a))
-    for n in c_e:
-        got = c_g[n][:, : rows[n]]
-        assert torch.equal(c_e[n].nan_to_num(7.0), got.nan_to_num(7.0)), n
+    g = _tensors(c_g)
+    for n, t in _tensors(c_e).items():
+        assert torch.equal(t.nan_to_num(7.0), g[n][:, : rows[n]].nan_to_num(7.0)), n
     return eager, graph
 
 

@@ -26,18 +26,21 @@ A control: the kernel reading the codes with every scale 1 (the scale ignored) f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 from torch import Tensor
 
-from ftchat.kernels import qsa_decode as qd
-from ftchat.model import kv_cache as kc
+from ftchat.codecs import fp8 as kc
+from ftchat.kernels import qsa_attention as qa
 from ftchat.model import qsa
+from ftchat.model.kv_cache import AttentionCache, gather_kv
 from tests.gpu.test_qsa_decode_gpu import (DEVICE, DTYPES, NORMS, _args, _attn_inputs, _cache,
                                            _clone, _excess, _index_inputs, _kind, _layer,
-                                           _lengths, _split, _triton)  # noqa: F401 (autouse)
+                                           _lengths, _prep, _split, _tensors,
+                                           _triton)  # noqa: F401 (autouse)
 from tests.gpu.test_qsa_decode_gpu import _run_decode as _run_decode_bf16
 
 pytestmark = pytest.mark.gpu
@@ -52,18 +55,18 @@ def _steps(geo: str) -> int:
     return {"real": 24, "small": 200, "odd": 80}[geo]
 
 
-def _fp8(c: dict) -> dict:
-    """The layer cache c with k and v as FP8 codes and scales (kv_cache.quantize_rows)."""
-    out = dict(c)
-    for n in ("k", "v"):
-        out[n], out[f"{n}_scale"] = kc.quantize_rows(c[n])
-    return out
+def _fp8(c: AttentionCache) -> AttentionCache:
+    """The layer cache c with k and v as FP8 codes and scales (codecs.fp8.quantize_rows)."""
+    (k, k_scale), (v, v_scale) = kc.quantize_rows(c.k), kc.quantize_rows(c.v)
+    return dataclasses.replace(c, k=k, v=v, k_scale=k_scale, v_scale=v_scale)
 
 
-def _cache_excess(got: dict, ref: dict, dtype: torch.dtype) -> dict[str, float]:
+def _cache_excess(got: AttentionCache, ref: AttentionCache, dtype: torch.dtype
+                  ) -> dict[str, float]:
     """Worst excess per cache tensor (<= 1 passes): the codes by their dequantized values (one
     e4m3 step, module docstring) and the fraction of differing codes against MAX_FLIPS."""
     out = {}
+    got, ref = _tensors(got), _tensors(ref)
     for n in ref:
         if ref[n].dtype != kc.FP8:
             out[n] = _excess(got[n], ref[n], _kind(dtype))
@@ -106,10 +109,10 @@ def test_prep_writes_the_fp8_cache_of_the_reference(geo, B, dtype):
         pos = torch.tensor(lengths, device=DEVICE)[:, None] + t
         proj = torch.randn(B, dims.proj_width, generator=gen).to(DEVICE, dtype)
         q_r, _, iq_r = qsa.attention_inputs_ref(*_split(proj, a), w, ref_c, pos, a)
-        q_k, iq_k = qd.qsa_prep(proj, pos, got_c, norms, dims, a.rms_norm_eps, a.rope_theta)
+        q_k, iq_k = _prep(proj, pos, got_c, norms, dims, a)
         for n, g, r in (("q", q_k, q_r[:, 0]), ("iq", iq_k, iq_r[:, 0])):
             worst[n] = max(worst.get(n, 0.0), _excess(g, r, _kind(dtype)))
-    assert got_c["k"].dtype == kc.FP8 and got_c["k_scale"].dtype == torch.float32
+    assert got_c.k.dtype == kc.FP8 and got_c.k_scale.dtype == torch.float32
     _assert_pass({**worst, **_cache_excess(got_c, ref_c, dtype)})
 
 
@@ -125,10 +128,9 @@ def test_prep_quantizes_zero_rows_to_zero_codes_and_scale_one():
     v0 = 2 * a.num_attention_heads * hd + Hkv * hd  # v of kv head 0
     proj[:, v0 : v0 + hd] = 0
     pos = torch.tensor([[20]], device=DEVICE)
-    qd.qsa_prep(proj.to(DEVICE, dtype), pos, c, tuple(w[n] for n in NORMS), dims,
-                a.rms_norm_eps, a.rope_theta)
-    assert not c["v"][0, 20, 0].view(torch.uint8).any() and float(c["v_scale"][0, 20, 0]) == 1.0
-    assert c["v"][0, 20, 1].float().abs().max() == kc.FP8_MAX  # the other head: its amax code
+    _prep(proj.to(DEVICE, dtype), pos, c, tuple(w[n] for n in NORMS), dims, a)
+    assert not c.v[0, 20, 0].view(torch.uint8).any() and float(c.v_scale[0, 20, 0]) == 1.0
+    assert c.v[0, 20, 1].float().abs().max() == kc.FP8_MAX  # the other head: its amax code
 
 
 # ===== kernels 3 + 4: attention over FP8 codes =====
@@ -141,9 +143,9 @@ def _fp8_kv(k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def _attend_fp8_ref(q, gate, kq, vq, ks, vs, idx, ok, a):
     """The torch path's attention over the dequantized gathered slots (qsa.sparse_attention)."""
-    cache = {"k": kq, "v": vq, "k_scale": ks, "v_scale": vs}
+    cache = AttentionCache(kq, vq, kq, kq, ks, vs)  # ik, kbar: not read here
     rows = torch.arange(q.shape[0], device=q.device)[:, None]
-    keys, vals = kc.gather_kv(cache, (rows, idx), q.dtype)
+    keys, vals = gather_kv(cache, (rows, idx), q.dtype)
     o = qsa.attend(q[:, None], keys, vals, ok[:, None], a)[:, 0]
     return o * torch.sigmoid(gate.flatten(1))
 
@@ -174,12 +176,12 @@ def test_attention_over_fp8_codes_matches_reference(geo, B, dtype):
         ref = _attend_fp8_ref(q, gate, kq, vq, ks, vs, idx, ok, a)
         blocks, keys = qsa.select_blocks_fused(iq, kbar, pos, kv_len, a)
         for tiles in (None,) if slow else (None, 1, 3):
-            got = qd.qsa_attention(q, gate, kq, vq, pos, dims, blocks=blocks, block_keys=keys,
+            got = qa.qsa_attention(q, gate, kq, vq, pos, dims, blocks=blocks, block_keys=keys,
                                    tiles=tiles, kv_scales=(ks, vs))
             assert got.shape == ref.shape and got.dtype == dtype
             worst[f"blocks{tiles}"] = max(worst.get(f"blocks{tiles}", 0.0),
                                           _excess(got, ref, _kind(dtype, "rows")))
-        got = qd.qsa_attention(q, gate, kq, vq, pos, dims, idx=idx, ok=ok, kv_scales=(ks, vs))
+        got = qa.qsa_attention(q, gate, kq, vq, pos, dims, idx=idx, ok=ok, kv_scales=(ks, vs))
         worst["tokens"] = max(worst.get("tokens", 0.0), _excess(got, ref, _kind(dtype, "rows")))
     _assert_pass(worst)
 
@@ -191,7 +193,7 @@ def test_attention_negative_control_scale_ignored(dtype):
     idx, ok = qsa.select_blocks(iq, kbar, pos[:, 0], L, a)
     ref = _attend_fp8_ref(q, gate, kq, vq, ks, vs, idx, ok, a)
     ones = torch.ones_like(ks)
-    got = qd.qsa_attention(q, gate, kq, vq, pos, qsa.qsa_dims(a), idx=idx, ok=ok,
+    got = qa.qsa_attention(q, gate, kq, vq, pos, qsa.qsa_dims(a), idx=idx, ok=ok,
                            kv_scales=(ones, ones))
     e = _excess(got, ref, _kind(dtype, "rows"))
     print(f"excess={e:.3g}", end=" ")
@@ -222,8 +224,7 @@ def test_fused_decode_over_fp8_matches_reference(geo, B, dtype, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE == "cpu", reason="CUDA graphs need the device")
-def test_fused_fp8_step_replays_in_a_cuda_graph(monkeypatch):
-    monkeypatch.setattr(qsa, "FUSED_DECODE", True)
+def test_fused_fp8_step_replays_in_a_cuda_graph():
     a = _args("real")
     B, dtype = 2, torch.bfloat16
     w = _layer(a, dtype, seed=100)
@@ -249,8 +250,9 @@ def test_fused_fp8_step_replays_in_a_cuda_graph(monkeypatch):
         graph.replay()
         want = qsa.attention_decode_fused(x, w, c_e, pos, L, a)
         assert torch.equal(y, want)
-    for n in c_g:
-        g, e = c_g[n], c_e[n]
+    c_e = _tensors(c_e)
+    for n, g in _tensors(c_g).items():
+        e = c_e[n]
         if g.dtype == kc.FP8:
             g, e = g.view(torch.uint8), e.view(torch.uint8)
         assert torch.equal(g.nan_to_num(7.0) if g.is_floating_point() else g,
@@ -270,7 +272,8 @@ def test_whole_model_fp8_graph_replay_equals_eager():
     def run(graph: bool) -> tuple[list, Tensor]:
         dec = Decoder(m, resident_backend(m), len(prompts), 64, graph=graph, kv_dtype=kc.FP8)
         assert (dec.graph is not None) == graph
-        assert all(kc.is_fp8(c) for c in dec.state.kv.values())
+        attention = [c for c in dec.state.mixers if isinstance(c, AttentionCache)]
+        assert attention and all(c.fp8 for c in attention)
         out = list(decode(dec, prompts, [0] * len(prompts), [steps] * len(prompts)))
         return [s.tokens for s in out], torch.stack([s.logits for s in out])
 

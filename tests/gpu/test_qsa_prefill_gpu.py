@@ -1,6 +1,6 @@
 """The CUDA sparse prefill attention (qsa.prefill_attention_fused: the selection of
 qsa.select_blocks_rows, then the decode's split attention and gated combine of
-ftchat/kernels/qsa_decode.py with a chunk's queries as its rows, reading the selected K/V from
+ftchat/kernels/qsa_attention.py with a chunk's queries as its rows, reading the selected K/V from
 the cache row) against the torch prefill (qsa.prefill_attention times sigmoid(gate)),
 docs/model.md 4.2.
 
@@ -8,8 +8,9 @@ Two ways to run the same tests (the `gpu` marker is deselected by default, so na
     on the device (CUDA):        pytest -m gpu tests/gpu/test_qsa_prefill_gpu.py
     on CPU, Triton interpreter:  FTCHAT_TEST_DEVICE=cpu TRITON_INTERPRET=1 \\
                                  pytest -m gpu tests/gpu/test_qsa_prefill_gpu.py
-In the interpreter (CPU tensors) the dispatcher's `use_fused` is patched on where a test needs
-the kernel path; the real geometry runs 2 queries there (~5 s each), 300 on CUDA.
+In the interpreter (CPU tensors) the dispatcher's choice (`qsa.prefill_kernel`) is patched on
+where a test needs the kernel path; the real geometry runs 2 queries there (~5 s each), 300 on
+CUDA.
 
 Inputs: test_qsa_decode_gpu's geometries (small, odd, real) and caches (random K, V, raw index
 keys and the k̄ pooled from them; slots past the context NaN, so a read of one shows), random
@@ -33,11 +34,11 @@ Tolerances:
     the hyper-connection write and three more layers (two GDN, the MoE router, whose top-k can
     flip at a near tie and move a token's output by an expert's share) and lm_head. Measured
     in the interpreter: most positions within 2^-8 max|ref| (about one bf16 ulp of the
-    largest logit), the worst 2^-5.3 (0.42 of the tolerance). A control: the kernel path missing one selected token of 11 per
-    query (the first block's first) exceeds it.
+    largest logit), the worst 2^-5.3 (0.42 of the tolerance). A control: the kernel path missing
+    one selected token of 11 per query (the first block's first) exceeds it.
   * memory (CUDA): one attention prefill call's max_memory_allocated increase <= the VRAM plan's
-    attention term (vram_plan._prefill_attention) and within 2x of it; control: the gather path
-    (FUSED_DECODE off) exceeds the term.
+    attention term and within 2x of it; control: the gather path (`qsa.prefill_kernel` off)
+    exceeds the term.
 """
 
 from __future__ import annotations
@@ -46,10 +47,10 @@ import pytest
 import torch
 from torch import Tensor
 
-from ftchat import vram_plan as vp
 from ftchat.engine import load_model, prefill, resident_backend
-from ftchat.kernels import fused_kernels
+from ftchat.kernels.config import KernelConfig
 from ftchat.model import qsa
+from ftchat.model.qwen4_exp_memory import attention_prefill_bytes
 from ftchat.model.state import DecodeState
 from tests.gpu.test_qsa_decode_gpu import (DEVICE, DTYPES, _args, _cache, _clone, _excess, _kind,
                                            _layer, _triton)  # noqa: F401 (autouse)
@@ -60,13 +61,18 @@ LOGIT_TOL = 2**-4  # of max|ref| (module docstring)
 KV = pytest.mark.parametrize("kv", ["auto", "fp8"])
 
 
+def _kernel_path_anywhere(x, kv_len, a, kc) -> bool:
+    # qsa.prefill_kernel without its device check (the interpreter's CPU tensors included)
+    return (x.shape[1] > 1 and qsa.sparse_prefill(kv_len, a)
+            and qsa.prefill_kernel_supported(a, x.dtype, x.shape[0]))
+
+
 @pytest.fixture
 def kernel_path(monkeypatch):
     """The dispatcher's conditions for the kernel path met on DEVICE (the interpreter's CPU
-    tensors included), FUSED_DECODE on."""
-    monkeypatch.setattr(qsa, "FUSED_DECODE", True)
+    tensors included)."""
     if DEVICE == "cpu":
-        monkeypatch.setattr(qsa, "use_fused", lambda t: True)
+        monkeypatch.setattr(qsa, "prefill_kernel", _kernel_path_anywhere)
 
 
 class _Selections:
@@ -185,32 +191,27 @@ def test_negative_control_a_missing_token_is_caught(monkeypatch):
 
 def test_dispatcher_picks_the_prefill_path(kernel_path, monkeypatch):
     """The kernel path for one row past the budget; the torch path for a short context (every
-    block selected), two rows, FUSED_DECODE off and (CUDA) the fused kernels off."""
+    block selected), two rows and (CUDA) the fused kernels off."""
     a = _args("small")
     dtype = torch.bfloat16
     w = _layer(a, dtype, seed=60)
     calls = []
     fused = qsa.prefill_attention_fused
     monkeypatch.setattr(qsa, "prefill_attention_fused",
-                        lambda *args: calls.append(1) or fused(*args))
+                        lambda *args, **kw: calls.append(1) or fused(*args, **kw))
     gen = torch.Generator().manual_seed(61)
-    cases = [(1, 40, True, {}), (1, 11, False, {}), (2, 40, False, {}),
-             (1, 40, False, {"FUSED_DECODE": False})]
+    cases = [(1, 40, True, True), (1, 11, False, True), (2, 40, False, True)]
     if DEVICE == "cuda":
-        cases.append((1, 40, False, {"off": True}))
-    for B, kv_len, want, patch in cases:
+        cases.append((1, 40, False, False))
+    for B, kv_len, want, fused_on in cases:
         T = 6
         pos = torch.arange(kv_len - T, kv_len, device=DEVICE)[None].expand(B, T)
         x = torch.randn(B, T, a.hidden_size, generator=gen).to(DEVICE, dtype)
         c = _cache(a, [kv_len - T] * B, kv_len + 2, w, dtype, seed=62)
         calls.clear()
-        with monkeypatch.context() as m:
-            if "FUSED_DECODE" in patch:
-                m.setattr(qsa, "FUSED_DECODE", False)
-            with fused_kernels(not patch.get("off", False)):
-                y = qsa.attention_mixer(x, w, c, pos, kv_len, a)
+        y = qsa.attention_mixer(x, w, c, pos, kv_len, a, kc=KernelConfig(fused=fused_on))
         assert y.shape == x.shape and not y.isnan().any()
-        assert bool(calls) == want, (B, kv_len, patch)
+        assert bool(calls) == want, (B, kv_len, fused_on)
 
 
 # ===== the whole model =====
@@ -236,12 +237,12 @@ def _model_excess(tiny, monkeypatch, control: bool = False) -> float:
     ids = torch.randint(0, 500, (100,), generator=torch.Generator().manual_seed(11))
     spans = [37, 51, 12]  # every chunk past the budget (8 + 3): the sparse prefill
     with monkeypatch.context() as m:
-        m.setattr(qsa, "FUSED_DECODE", False)
+        m.setattr(qsa, "prefill_kernel", lambda *args: False)  # the torch path
         ref = _logits(tiny, ids, spans)
     calls = []
     fused = qsa.prefill_attention_fused
     monkeypatch.setattr(qsa, "prefill_attention_fused",
-                        lambda *args: calls.append(1) or fused(*args))
+                        lambda *args, **kw: calls.append(1) or fused(*args, **kw))
     if control:
         _drop_first_token(monkeypatch)
     got = _logits(tiny, ids, spans)
@@ -281,7 +282,6 @@ def _attention_peak(a, w, c, x, pos, kv_len) -> int:
 @KV
 def test_prefill_attention_memory_within_the_plan(kv, monkeypatch):
     """A 1,024-token prefill call at a 16K context, flash-next's attention in bf16."""
-    monkeypatch.setattr(qsa, "FUSED_DECODE", True)
     a = _args("real")
     dtype, L, T = torch.bfloat16, 16384, 1024
     w = _layer(a, dtype, seed=80)
@@ -290,11 +290,11 @@ def test_prefill_attention_memory_within_the_plan(kv, monkeypatch):
     x = torch.randn(1, T, a.hidden_size, generator=torch.Generator().manual_seed(82))
     x = x.to(DEVICE, dtype)
     pos = torch.arange(L - T, L, device=DEVICE)[None]
-    planned = vp._prefill_attention(a, dtype.itemsize, T, L, True, kv == "fp8", dtype)
+    planned = attention_prefill_bytes(a, dtype.itemsize, T, L, True, kv == "fp8", dtype)
     measured = _attention_peak(a, w, _clone(c), x, pos, L)
     print(f"measured={measured / 2**20:.1f} MiB planned={planned / 2**20:.1f} MiB", end=" ")
     assert measured <= planned <= 2 * measured
-    monkeypatch.setattr(qsa, "FUSED_DECODE", False)  # control: the gather path
+    monkeypatch.setattr(qsa, "prefill_kernel", lambda *args: False)  # control: the gather path
     gathered = _attention_peak(a, w, _clone(c), x, pos, L)
     print(f"gather path={gathered / 2**20:.1f} MiB", end=" ")
     assert gathered > planned

@@ -27,8 +27,9 @@ import os
 import pytest
 import torch
 
-from ftchat.kernels import fused_kernels, sync
+from ftchat.kernels import sync
 from ftchat.kernels import topk_select as ts
+from ftchat.kernels.config import KernelConfig
 from ftchat.model.qsa import rank_key
 from tests.kernel_inputs import capture
 
@@ -242,8 +243,7 @@ def test_dispatcher():
         keys = _keys(2, N, gen)
         k = min(512, N)
         _check(ts.topk_keys(keys, k), keys, k)  # CUDA: the kernel; CPU: the mirror
-        with fused_kernels(False):
-            _check(ts.topk_keys(keys, k), keys, k)
+        _check(ts.topk_keys(keys, k, kc=KernelConfig(fused=False)), keys, k)
     big = _keys(1, ts.TOPK_MAX_N + 5, gen)  # over the limit: the mirror everywhere
     _check(ts.topk_keys(big, 512), big, 512)
 

@@ -10,7 +10,8 @@ from ftchat.commands.bench import bench_context, parse_arms
 from ftchat.engine import load_model
 from ftchat.errors import FtchatError
 from ftchat.kernels import hyper
-from ftchat.kernels.skip import FAMILIES, SKIP
+from ftchat.kernels.config import KernelConfig
+from ftchat.kernels.skip import FAMILIES, Skip
 from ftchat.profile import kernels_per_call
 from ftchat.settings import Settings
 
@@ -19,8 +20,8 @@ DEV = torch.device("cuda")
 HC, D, L = 4, 64, 16
 
 
-def _mix(seed: int, rows: int = 1):
-    """An HC read of `rows` rows with random weights, as a call."""
+def _mix(seed: int, rows: int = 1, kc: KernelConfig = KernelConfig()):
+    """An HC read of `rows` rows with random weights, as a call (with kc)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
 
     def rnd(*shape):
@@ -30,24 +31,24 @@ def _mix(seed: int, rows: int = 1):
          "input_mix_weight_up.weight": rnd(HC * D, L),
          "block_inject_weight.weight": rnd(HC, HC * D)}
     R = rnd(rows, HC * D)
-    return lambda: hyper.hc_mix_triton(R, w, HC, 1e-6)
+    return lambda: hyper.hc_mix_triton(R, w, HC, 1e-6, kc=kc)
 
 
 def test_a_skipped_family_launches_nothing_after_its_first_call():
     mix = _mix(0)
     mix()  # compiles
     assert kernels_per_call(mix, DEV) == 2  # control: the two HC read kernels
-    with SKIP.set(frozenset({"hc"})):
-        kept = mix()  # the first call of these shapes runs, and its output is kept
-        assert kernels_per_call(mix, DEV) == 0
-        again = mix()
+    skipped = _mix(0, kc=KernelConfig(skip=Skip(frozenset({"hc"}))))
+    kept = skipped()  # the first call of these shapes runs, and its output is kept
+    assert kernels_per_call(skipped, DEV) == 0
+    again = skipped()
     assert all(a is b for a, b in zip(kept, again) if a is not None)
 
 
 def test_a_first_skipped_call_inside_a_capture_is_refused():
-    mix = _mix(1, rows=3)  # shapes no other test keeps
+    mix = _mix(1, rows=3, kc=KernelConfig(skip=Skip(frozenset({"hc"}))))
     graph = torch.cuda.CUDAGraph()
-    with SKIP.set(frozenset({"hc"})), pytest.raises(FtchatError, match="inside a graph capture"):
+    with pytest.raises(FtchatError, match="inside a graph capture"):
         with torch.cuda.graph(graph):
             mix()
 
@@ -62,10 +63,9 @@ def test_bench_skip_arms_run_fewer_kernels(tiny_bf16):
 
 
 def test_every_family_skip_arm_is_captured(tiny_nvfp4):
-    # each arm's graph capture finds kept outputs for every call (session 20: skip=routed and
-    # skip=qsa made a new key each step from the tuples of fresh tensors they take, so the
-    # capture's call was refused); the routed experts run in any MoE decode, so their arm
-    # launches fewer kernels
+    # each arm's graph capture finds kept outputs for every call (skip=routed and skip=qsa once
+    # made a new key each step from the tuples of fresh tensors they take, so the capture's call
+    # was refused); the routed experts run in any MoE decode, so their arm launches fewer kernels
     m = load_model(tiny_nvfp4, "cuda", torch.bfloat16)
     base = Settings(device="cuda")
     arms = parse_arms("resident;" + ";".join(f"resident:skip={f}" for f in FAMILIES), base)

@@ -1,5 +1,5 @@
 """GPU tier (`pytest -m gpu`): `ftchat verify --graph` with real CUDA-graph replay, with a
-control that breaks only the replay, and a short soak on CUDA (issue 15)."""
+control that breaks only the replay, and a short soak on CUDA."""
 
 from __future__ import annotations
 

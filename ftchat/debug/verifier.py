@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ftchat.debug.records import RecordBuffer
+from ftchat.debug.record_buffer import RecordBuffer
 from ftchat.offload.hooks import BackendView, Hooks
 
 MAP_MISMATCH, PENDING_COPY, BYTES_BEFORE, BYTES_AFTER = 1, 2, 3, 4

@@ -1,11 +1,10 @@
-"""`ftchat verify` and `ftchat audit`: losslessness checks of prefetch on a model.
+"""`ftchat verify`: prefetch's losslessness on a model, checked over cold prompts.
 
-verify: N cold prompts (a random nonce prefix, so no cache is warm), each decoded greedily with
-prefetch off and on (fresh caches, same settings otherwise), compared token by token; the
-verifier and the slot audit watch the `on` arm. audit: a decode run with the slot audit on.
-The audit byte-checks the whole cache every N decode steps and once more at the end of every
-prompt, so every prompt is audited however short. Both run eagerly (the debug records read
-Python-side step numbers).
+N cold prompts (a random nonce prefix, so no cache is warm), each decoded greedily with prefetch
+off and on (fresh caches, same settings otherwise), compared token by token; the verifier and the
+slot audit watch the `on` arm. The audit byte-checks the whole cache every N decode steps and once
+more at the end of every prompt, so every prompt is audited however short. The hooked arms run
+eagerly (the debug records read Python-side step numbers).
 
 verify --graph adds the production path the hooked arms cannot watch: every prompt decoded with
 prefetch off and on by the same loop `ftchat run` uses, the step replayed from a CUDA graph, no
@@ -17,18 +16,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TextIO
 
-from ftchat.debug import HookChain
-from ftchat.debug.audit import SlotAudit
-from ftchat.debug.verify import Verifier
+from rich.console import Console
+from rich.table import Table
+
+from ftchat.commands.load import load_checked, pin_planned_slots
+from ftchat.debug.slot_audit import SlotAudit
+from ftchat.debug.verifier import Verifier
+from ftchat.debug.watchers import HookChain
 from ftchat.engine import Decoder, LoadedModel, build_experts, decode, generate, num_slots
 from ftchat.errors import FtchatError
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
+from ftchat.ui.progress import progress_bar
+from ftchat.vram.workloads import verify_workload
+
 
 GRAPH_DEVICES = ("cuda",)  # where DecodeGraph can capture a step: CUDA graphs have no CPU twin
 
@@ -129,9 +137,9 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return min(len(a), len(b)) if first is None and len(a) != len(b) else first
 
 
-def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Settings, n: int,
-           max_new: int, mode: str, audit_every: int = 64, seed: int = 0,
-           progress: Callable[[int, int], None] | None = None) -> list[PromptVerdict]:
+def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings: Settings,
+                   n: int, max_new: int, mode: str, audit_every: int = 64, seed: int = 0,
+                   progress: Callable[[int, int], None] | None = None) -> list[PromptVerdict]:
     """Prefetch off vs on over n cold prompts; returns one verdict per prompt. An explicit
     settings.graph (`verify --graph`) adds the graph arms (GraphArm), prefetch off and on."""
     a = m.args
@@ -177,19 +185,6 @@ def verify(m: LoadedModel, encode: Callable[[str], list[int]], settings: Setting
     return verdicts
 
 
-def audit_run(m: LoadedModel, prompts: list[list[int]], settings: Settings, every: int,
-              max_new: int) -> SlotAudit:
-    """Decode each prompt with the slot audit on (one backend across prompts)."""
-    S = num_slots(m, settings)
-    audit = SlotAudit(every, S, m.device)
-    ex = build_experts(m, dataclasses.replace(settings, batch_size=1), hooks=audit)
-    for ids in prompts:
-        for _ in generate(m, [ids], max_new, ex, kv_dtype=settings.kv_torch_dtype()):
-            pass
-        audit.audit(BackendView(ex))  # the cache as the prompt left it
-    return audit
-
-
 def summary(verdicts: list[PromptVerdict]) -> dict:
     mism = [v for v in verdicts if v.first_mismatch is not None]
     out = {"prompts": len(verdicts), "mismatches": len(mism),
@@ -225,3 +220,44 @@ def failure(s: dict) -> str | None:
     if not s["audits"]:
         return "no slot audit ran"
     return None
+
+
+def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: str,
+               prompts: int, max_new: int, audit_every: int, as_json: bool, out: TextIO,
+               err: TextIO, prompt_seed: int = 0) -> int:
+    """`ftchat verify`: load, check prefetch on vs off over cold prompts (nonces seeded by
+    prompt_seed) with the verifier and audit on the `on` arm, print the verdict; the exit code."""
+    if mode not in ("meta", "bytes"):
+        raise FtchatError(f"--mode {mode!r}: expected meta or bytes")
+    if prompts < 1 or max_new < 1 or audit_every < 1:
+        raise FtchatError("--prompts, --max-new-tokens and --audit-every must be >= 1")
+    arms = 4 if settings.graph is True else 2  # verify --graph keeps two more backends
+    m, tok, plan = load_checked(model, settings, env, err, lambda a, layout: verify_workload(
+        a, layout, settings, max_new, arms))
+    settings = pin_planned_slots(settings, plan)
+
+    def encode(text: str) -> list[int]:
+        return tok.encode(tok.render_chat([{"role": "user", "content": text}]))
+
+    with progress_bar(err, "verifying") as bar:
+        verdicts = verify_prompts(m, encode, settings, prompts, max_new, mode, audit_every,
+                                  seed=prompt_seed, progress=lambda i, n: bar("prompts", i, n))
+    s = summary(verdicts)
+    if as_json:
+        out.write(json.dumps({**s, "prompt_seed": prompt_seed,
+                              "per_prompt": [vars(v) for v in verdicts]}) + "\n")
+    else:
+        table = Table(title=f"prefetch on vs off, verify={mode}, audit every {audit_every}")
+        for col in s:
+            table.add_column(col.replace("_", " "))
+        table.add_row(*["-" if v is None else str(v) for v in s.values()])
+        Console(file=out).print(table)
+        for v in verdicts:
+            if v.first_mismatch is not None or v.records or v.bad_slots:
+                out.write(f"prompt {v.index}: first mismatch {v.first_mismatch}, "
+                          f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
+                          f"first record {v.records[:1]}\n")
+    why = failure(s)
+    if why:
+        err.write(f"error: {why}\n")
+    return 1 if why else 0

@@ -1,4 +1,4 @@
-"""The slot audit (FREETOKEN_MOE_SLOT_AUDIT=N, --audit N).
+"""The slot audit (--audit-every N, env FREETOKEN_MOE_SLOT_AUDIT=N).
 
 Keeps the last writer of every slot (stream, layer, step, kind), written from the copy's own
 stream, and every N decode steps byte-checks every held slot against its host row. A bad slot is

@@ -1,0 +1,154 @@
+"""The option types the `ftchat` commands share (typer `Annotated` aliases), by help panel.
+
+Every engine option defaults to None (not given): `resolve_settings` then takes the environment
+variable or the default. Nothing here imports torch, so `ftchat --help` stays instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ftchat.settings import Settings
+
+_D = Settings()  # the defaults the help texts quote
+
+GEN, MODEL, KERNELS = "Generation", "Model and memory", "Kernels"
+OFFLOAD, DEBUG = "Offload tuning", "Debug"
+
+Model = Annotated[str | None, typer.Argument(
+    metavar="MODEL", show_default=False,
+    help="Checkpoint folder or Hugging Face repo id; none: the built-in demo model.")]
+
+# ===== generation (run) =====
+Prompt = Annotated[str | None, typer.Option(
+    "--prompt", "-p", metavar="TEXT", rich_help_panel=GEN, help="One prompt, one reply, exit")]
+PromptFile = Annotated[Path | None, typer.Option(
+    "--file", "-f", metavar="FILE", rich_help_panel=GEN,
+    help="Read the one prompt from FILE (as --prompt)")]
+MaxNew = Annotated[int | None, typer.Option(
+    "--max-new-tokens", "-n", metavar="N", rich_help_panel=GEN,
+    help=f"Tokens per reply at most (default {_D.max_new_tokens})")]
+System = Annotated[str | None, typer.Option(
+    metavar="TEXT", rich_help_panel=GEN, help="System message")]
+Temp = Annotated[float | None, typer.Option(
+    "--temp", metavar="T", rich_help_panel=GEN, help="Sampling temperature; 0 (default): greedy")]
+TopK = Annotated[int | None, typer.Option(
+    metavar="K", rich_help_panel=GEN, help="Sample from the K likeliest tokens (0: off)")]
+TopP = Annotated[float | None, typer.Option(
+    metavar="P", rich_help_panel=GEN,
+    help="Sample from the likeliest tokens holding mass P (1: off)")]
+RepeatPenalty = Annotated[float | None, typer.Option(
+    metavar="X", rich_help_panel=GEN,
+    help="Penalize the last 64 tokens' ids by X (1: off; also when greedy)")]
+Seed = Annotated[int | None, typer.Option(
+    "--seed", "-s", metavar="N", rich_help_panel=GEN,
+    help="Sampling seed, per reply (default: random)")]
+Stop = Annotated[list[str] | None, typer.Option(
+    metavar="TEXT", rich_help_panel=GEN, help="End a reply before TEXT (repeatable)")]
+Json = Annotated[bool | None, typer.Option(
+    "--json", metavar="", rich_help_panel=GEN, help="One JSON object per reply")]
+BatchSize = Annotated[int | None, typer.Option(
+    metavar="B", rich_help_panel=GEN, help="Waiting piped prompts decoded together (default 1)")]
+Quiet = Annotated[bool | None, typer.Option(
+    "--quiet", "-q", metavar="", rich_help_panel=GEN,
+    help="No banner, loading bar or timing lines")]
+Panel = Annotated[bool | None, typer.Option(
+    "--panel/--no-panel", metavar="", rich_help_panel=GEN,
+    help="Live panel on stderr (default: when a terminal)")]
+
+# ===== model and memory =====
+Context = Annotated[int | None, typer.Option(
+    "--context", "-c", metavar="N", rich_help_panel=MODEL,
+    help="KV capacity in tokens (default: the model's, at most 32768)")]
+PrefillChunk = Annotated[int | None, typer.Option(
+    "--prefill-chunk", metavar="T", rich_help_panel=MODEL,
+    help="Prompt tokens per prefill call (default 1024, or under --vram-budget on a GPU the "
+         "plan's choice; larger: fewer expert copies, more VRAM)")]
+Device = Annotated[str | None, typer.Option(
+    metavar="auto|cuda|cpu", rich_help_panel=MODEL, help="Where to run (default auto)")]
+Dtype = Annotated[str | None, typer.Option(
+    metavar="DTYPE", rich_help_panel=MODEL,
+    help="auto (default): bfloat16 on CUDA, float32 on CPU; or float32, bfloat16")]
+KvCacheDtype = Annotated[str | None, typer.Option(
+    "--kv-cache-dtype", metavar="auto|fp8", rich_help_panel=MODEL,
+    help="Attention K/V cache storage: auto (the model dtype, default) or fp8 (e4m3 with a "
+    "scale per token and head: about half the bytes; changes the output slightly; env "
+    "FTCHAT_KV_CACHE_DTYPE)")]
+Threads = Annotated[int | None, typer.Option(
+    "--threads", "-t", metavar="N", rich_help_panel=MODEL,
+    help="CPU threads for torch (default: torch's, one per core)")]
+Slots = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=MODEL, help="Expert slots in VRAM (or --expert-vram)")]
+ExpertVram = Annotated[float | None, typer.Option(
+    "--expert-vram", metavar="GIB", rich_help_panel=MODEL,
+    help="VRAM for expert slots, GiB (or --slots)")]
+VramBudget = Annotated[float | None, typer.Option(
+    "--vram-budget", metavar="GIB", rich_help_panel=MODEL,
+    help="The whole run's VRAM, GiB: slots sized by the VRAM plan, a plan that cannot fit "
+    "refused before loading, the process capped on CUDA (env FTCHAT_VRAM_BUDGET)")]
+Graph = Annotated[bool | None, typer.Option(
+    "--graph/--eager", metavar="", rich_help_panel=MODEL,
+    help="CUDA graphs (default: on CUDA)")]
+
+# ===== kernels =====
+Kernels = Annotated[str | None, typer.Option(
+    "--kernels", metavar="fused|torch", rich_help_panel=KERNELS,
+    help="fused (default): the Triton decode kernels on CUDA; torch: the torch reference path "
+    "the kernels are tested against")]
+Pdl = Annotated[bool | None, typer.Option(
+    "--pdl/--no-pdl", metavar="", rich_help_panel=KERNELS,
+    help="Programmatic dependent launch: a fused kernel starts while the one before it "
+    "finishes (Hopper and later; default on; env FTCHAT_PDL=1|0)")]
+
+# ===== offload tuning =====
+Prefetch = Annotated[str | None, typer.Option(
+    metavar="MODE", rich_help_panel=OFFLOAD,
+    help="Expert prefetch: off (default), measure (predict and count, copy nothing) or on "
+    "(env FREETOKEN_MOE_PREFETCH)")]
+Budget = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
+    help="Prefetch budget before every layer (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
+BudgetGdn = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
+    help=f"Budget before GDN layers (default {_D.budget_gdn})")]
+BudgetAttn = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
+    help=f"Budget before attention layers (default {_D.budget_attn})")]
+Candidates = Annotated[int | None, typer.Option(
+    metavar="K", rich_help_panel=OFFLOAD,
+    help=f"Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default {_D.candidates})")]
+Eviction = Annotated[str | None, typer.Option(
+    metavar="rule|lru", rich_help_panel=OFFLOAD, help="Slot eviction (default rule)")]
+Overlap = Annotated[bool | None, typer.Option(
+    "--overlap/--no-overlap", metavar="", rich_help_panel=OFFLOAD,
+    help="Shared expert overlaps the demand copy (default on)")]
+CopyPrograms = Annotated[int | None, typer.Option(
+    metavar="N", rich_help_panel=OFFLOAD,
+    help="Copy-kernel programs, 0: cudaMemcpy (env FREETOKEN_MOE_SLIM_COPY; "
+    f"default {_D.copy_programs})")]
+
+# ===== debug =====
+Verify = Annotated[str | None, typer.Option(
+    metavar="meta|bytes", rich_help_panel=DEBUG,
+    help="Slot checks on every step (env FREETOKEN_MOE_PREFETCH_VERIFY=meta|1)")]
+AuditEvery = Annotated[int | None, typer.Option(
+    "--audit-every", metavar="N", rich_help_panel=DEBUG,
+    help="Byte-check the whole slot cache every N steps (env FREETOKEN_MOE_SLOT_AUDIT)")]
+OldName = Annotated[int | None, typer.Option(hidden=True)]  # a flag's old name, still accepted
+RecordRouting = Annotated[str | None, typer.Option(
+    metavar="FILE", rich_help_panel=DEBUG,
+    help="Write the routed expert ids of every step to FILE")]
+
+# ===== synthetic models (synth, info, bench) =====
+Layers = Annotated[int | None, typer.Option(metavar="N", help="Decoder layers of --synthetic")]
+Format = Annotated[str, typer.Option(
+    metavar="FORMAT", help="Expert format of --synthetic: bf16, nvfp4-modelopt or nvfp4-ct")]
+Dense = Annotated[str, typer.Option(
+    metavar="bf16|nvfp4", help="Dense projections of --synthetic: bf16, or the GDN qkv and z "
+    "kept in NVFP4 as the real checkpoint stores them")]
+Synthetic = Annotated[str | None, typer.Option(
+    metavar="tiny|flash-next", help="Build a random-weight model in memory instead of MODEL")]
+JsonOut = Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")]

@@ -1,0 +1,109 @@
+"""`ftchat bench` as the user sees it: load (or build --synthetic) the model, run the arms of
+commands/bench.py at each context, print a table per context or one JSON object."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TextIO
+
+from rich.console import Console
+from rich.table import Table
+
+from ftchat.commands.bench import ArmSpec, bench_context, parse_arms
+from ftchat.commands.load import load_checked, pin_planned_slots, preflight
+from ftchat.engine import LoadedModel
+from ftchat.errors import FtchatError
+from ftchat.kernels.config import KernelConfig
+from ftchat.model.synth import FORMATS
+from ftchat.model.synth_memory import synthetic_model
+from ftchat.settings import Settings, context_tokens
+from ftchat.ui.progress import progress_bar
+from ftchat.vram.items import VramPlan, Workload
+from ftchat.vram.workloads import bench_workload, synthetic_inputs
+
+COLUMNS = ("arm", "tok/s", "vs off", "ms/layer", "misses/token", "useful/layer", "precision")
+
+
+@dataclass(frozen=True)
+class Synthetic:
+    """A random-weight model bench builds in memory (`--synthetic`), as `ftchat synth` would."""
+
+    preset: str
+    layers: int | None
+    fmt: str
+    dense: str = "bf16"  # "nvfp4": the GDN qkv / z in NVFP4, as the real checkpoint stores them
+
+    def load(self, settings: Settings, err: TextIO) -> LoadedModel:
+        if self.fmt not in FORMATS:
+            raise FtchatError(f"--format {self.fmt!r}: expected {', '.join(FORMATS)}")
+        if self.layers is not None and self.layers < 2:
+            raise FtchatError("--layers must be at least 2")
+        with progress_bar(err, "building") as bar:
+            return synthetic_model(self.preset, self.layers, self.fmt,
+                                   settings.torch_device(), settings.torch_dtype(), progress=bar,
+                                   dense=self.dense, kernels=KernelConfig.from_settings(settings))
+
+
+def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
+              contexts: str, steps: int, rounds: int, as_json: bool, out: TextIO, err: TextIO,
+              synthetic: Synthetic | None = None) -> int:
+    """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
+    if steps < 1 or rounds < 1:
+        raise FtchatError("--steps and --rounds must be >= 1")
+    arm_specs = parse_arms(arms, settings)  # usage errors before the model loads
+    ctxs = [context_tokens(c) for c in contexts.split(",")]
+    max_len = max(ctxs) + (rounds + 1) * steps + 2  # bench_context's KV capacity
+
+    def work(a, layout) -> Workload:
+        return bench_workload(a, layout, settings, [s.settings for s in arm_specs.values()],
+                                 max_len)
+
+    if synthetic:
+        a, layout = synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt,
+                                        synthetic.dense)
+        w = dataclasses.replace(work(a, layout), dense_nvfp4=synthetic.dense == "nvfp4")
+        plan = preflight(a, layout, settings, w)
+        m = synthetic.load(settings, err)
+    else:
+        m, _, plan = load_checked(model, settings, env, err, work)
+    arm_specs = {name: _arm_pinned(spec, plan) for name, spec in arm_specs.items()}
+    res = {}
+    for ctx in ctxs:
+        res[ctx] = bench_context(m, arm_specs, ctx, settings, steps, rounds)
+        if not as_json:
+            _print_context(out, ctx, res[ctx], steps, rounds)
+    if as_json:
+        out.write(json.dumps(res) + "\n")
+    return 0
+
+
+def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,
+                   rounds: int) -> None:
+    table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens")
+    for col in COLUMNS:
+        table.add_column(col)
+    for name, v in arms.items():
+        table.add_row(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"),
+                      f"{v['ms_per_layer']:.3f}", f"{v['misses_per_token']:.1f}",
+                      f"{v['useful_per_layer']:.2f}", _f(v["precision"], "{:.2f}"))
+    Console(file=out).print(table)
+    peak = next(iter(arms.values()), {})
+    if peak.get("vram_peak_reserved_mib") is not None:  # CUDA only
+        budget = _f(peak["vram_budget_mib"], "{:,.0f} MiB")
+        out.write(f"VRAM peak since start: allocated {peak['vram_peak_allocated_mib']:,.0f} MiB, "
+                  f"reserved {peak['vram_peak_reserved_mib']:,.0f} MiB (graph pools included); "
+                  f"budget {budget}\n")
+
+
+def _arm_pinned(spec: ArmSpec, plan: VramPlan | None) -> ArmSpec:
+    """A bench arm with the planned slots (every offloaded arm holds its own bank)."""
+    if spec.settings is None:
+        return spec
+    return dataclasses.replace(spec, settings=pin_planned_slots(spec.settings, plan))
+
+
+def _f(x, fmt: str) -> str:
+    return "-" if x is None else fmt.format(x)
