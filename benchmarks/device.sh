@@ -168,7 +168,7 @@ elif kind == "soak":  # scripts/soak.py JSON lines
 elif kind == "gpu-tests":  # argv: out json, then per shard: log, rc file, ids file
     import re
     out, rest = files[0], files[1:]
-    line = re.compile(r"^(\S+::\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+    line = re.compile(r"^(\S+::.*?) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")  # ids may hold spaces
     shards, failures = [], []
     for i in range(0, len(rest), 3):
         log, rc_file, ids = rest[i : i + 3]
@@ -372,7 +372,9 @@ mode_list=${1//,/ }
 shift
 for m in $mode_list; do [[ " $MODES " == *" $m "* ]] || usage; done
 mkdir -p "$O" "$W"
-TREE=${TREE:-$(git rev-parse --short HEAD 2> /dev/null || echo unknown)}
+# the device's copy carries this tree's files over an older checkout's .git: a commit id alone
+# would name that checkout, so a tree with changes says so
+TREE=${TREE:-$(git rev-parse --short HEAD 2> /dev/null || echo unknown)$(git diff --quiet HEAD 2> /dev/null || echo "+changes")}
 device_info
 for m in $mode_list; do
   echo "=== $m"
