@@ -16,7 +16,7 @@ from ftchat.offload import cache as sc
 from ftchat.offload.copy import copy_rows
 from ftchat.kernels.routed_experts import routed_experts_triton
 from ftchat.offload.policy import POLICIES
-from ftchat.offload.store import pin
+from ftchat.host_memory import pin
 
 
 def timed(fn, iters: int = 20) -> float:

@@ -221,6 +221,7 @@ def test_every_write_goes_through_the_announced_helper():
     calls: list[str] = []
     m.on_write = calls.append
     rng = random.Random(0)
+    p = None  # the last ensure's placement (step 0 is an ensure)
     for step in range(40):
         before = {n: x._version for n, x in tensors(m).items()}
         calls.clear()

@@ -147,7 +147,7 @@ def test_ctrl_c_in_piped_mode_ends_the_last_line(endless, as_json):
             assert select.select([p.stdout.fileno()], [], [], 90)[0]
             time.sleep(0.5)
         else:  # loaded, then decoding for a while
-            while b"loaded in" not in (line := read_line(p.stderr, 90) or b"loaded in"):
+            while b"loaded in" not in (read_line(p.stderr, 90) or b"loaded in"):
                 pass
             time.sleep(1.5)
         p.send_signal(signal.SIGINT)

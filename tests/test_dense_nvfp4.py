@@ -1,5 +1,5 @@
-"""NVFP4 dense projections (issue 18): `ftchat synth --dense nvfp4` stores the GDN qkv and z
-projections quantized, as the real checkpoint does (ARCH section 5.3); the loader keeps them in
+"""NVFP4 dense projections: `ftchat synth --dense nvfp4` stores the GDN qkv and z
+projections quantized, as the real checkpoint does (docs/model.md 11.5); the loader keeps them in
 NVFP4 (nvfp4.Nvfp4Weight, fused per layer for the decode GEMV), the torch path dequantizes them
 to the bits load-time dequantization gave, and the decoder on them matches the transformers
 reference on the dequantized weights (the oracle test's tolerance). The in-memory model bench

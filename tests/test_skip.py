@@ -3,6 +3,8 @@ family worn by the decode wrappers, the kept outputs scoped to the KernelConfig 
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -107,8 +109,6 @@ def test_every_family_is_worn_by_a_decode_wrapper():
 def test_every_decorated_wrapper_takes_its_config_by_keyword():
     # the decorator finds the Skip in the `kc` keyword: a wrapper without it could not be left
     # out, and one taking it positionally would hide it
-    import inspect
-
     for w in WRAPPERS:
         kc = inspect.signature(w).parameters["kc"]
         assert kc.kind is inspect.Parameter.KEYWORD_ONLY, w.__qualname__

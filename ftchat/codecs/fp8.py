@@ -5,8 +5,6 @@ nearest even; read back as fp32(codes) * scale. The attention K/V cache's FP8 fo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import Tensor
 
@@ -28,8 +26,3 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def dequantize_rows(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """codes [..., hd] float8_e4m3fn, scale [...] fp32 -> [..., hd] in dtype."""
     return (codes.float() * scale[..., None]).to(dtype)
-
-
-def is_fp8(cache: Mapping[str, Tensor]) -> bool:
-    """Whether a layer cache stores K/V as FP8 codes with scales (else in the model dtype)."""
-    return cache["k"].dtype == FP8

@@ -285,9 +285,10 @@ class Nvfp4Weight:
     """A dense [N, K] weight kept as stored: packed uint8 [N, K/2], block scale e4m3 [N, K/16],
     global fp32 [N] (per row, so that projections with different globals concatenate).
 
-    The GDN qkv and z projections of an NVFP4 checkpoint stay in this form (ARCH 5.3): a decode
-    GEMV reads 4.5 bits a weight instead of 16 (ftchat/kernels/nvfp4_gemv.py); the torch path
-    dequantizes it per call (gdn.dense) to the bits load-time dequantization gave."""
+    The GDN qkv and z projections of an NVFP4 checkpoint stay in this form (docs/model.md
+    11.5): a decode GEMV reads 4.5 bits a weight instead of 16 (ftchat/kernels/nvfp4_gemv.py);
+    the torch path dequantizes it per call (gdn.dense) to the bits load-time dequantization
+    gave."""
 
     packed: torch.Tensor
     scale: torch.Tensor

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TextIO
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 from ftchat.codecs.rows import RowLayout
 from ftchat.errors import FtchatError, ModelError
@@ -182,9 +184,6 @@ def print_plan(a: ModelArgs, layout: RowLayout, vram_gib: list[float], w: Worklo
                out: TextIO) -> None:
     """The plan's items as a rich table (bf16 on CUDA, as `run` there), then one line per
     budget: the slots that fit, or the item that does not."""
-    from rich.console import Console
-    from rich.table import Table
-
     given = w.banks[0]
     shown = given  # the slot count the table is at: given, else the first budget's (if any fit)
     if given is None and vram_gib:
