@@ -132,7 +132,8 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
     if m.device.type == "cuda" and not m.host_rows.is_pinned():
         pin(m.host_rows)
     return OffloadExperts(m.host_rows, m.layout, routers, attention, cfg, m.device,
-                          make_streams(m.device), hooks, kernels=m.weights.kernels)
+                          make_streams(m.device), hooks, kernels=m.weights.kernels,
+                          top_k=a.num_experts_per_tok)
 
 
 def prefill(m: LoadedModel, state: DecodeState, row: int, ids: Tensor, start: int,

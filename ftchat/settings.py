@@ -32,7 +32,7 @@ ENV_PDL = "FTCHAT_PDL"  # 1 or 0; ftchat's own
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
 Prefetch = Literal["off", "measure", "on"]  # off; measure: predict and count only; on: copy
-Eviction = Literal["rule", "lru"]  # see offload/policy.py
+Eviction = Literal["rule", "lru", "score"]  # see offload/policy.py
 VerifyMode = Literal["meta", "bytes"]
 DeviceName = Literal["auto", "cuda", "cpu"]
 DtypeName = Literal["auto", "float32", "bfloat16"]

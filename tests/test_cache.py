@@ -499,3 +499,38 @@ def test_rule_beats_lru_on_skewed_routing():
             totals[policy.name] += misses[policy.name]
         assert misses["rule"] <= misses["lru"], (seed, misses)
     assert totals["rule"] < 0.97 * totals["lru"], totals
+
+
+def test_score_eviction_evicts_the_expert_the_routers_rank_lowest():
+    from ftchat.offload.policy import SCORE, SCORE_CLOCK0
+    from ftchat.offload.scores import RouterScores
+
+    def victim(policy, clock0):
+        m = SlotMaps.create(1, 8, 4, clock0=clock0)
+        ensure(m, 0, t([[0, 1, 2, 3]]), policy)
+        if policy.reads_scores:
+            s = RouterScores(1, 8, 4, "cpu")
+            s.record(0, torch.tensor([[4.0, 3.0, -2.0, 2.0, 1.0, 0.0, 0.5, 0.2]]))
+            s.observe(m)
+            assert check_invariants(m) == []
+        before = m.id_of[:4].tolist()
+        ensure(m, 0, t([[5, 0]]), policy)
+        return before[int((m.id_of[:4] == 5).nonzero())]
+
+    assert victim(SCORE, SCORE_CLOCK0) == 2  # the lowest logit of the four residents
+    assert victim(RULE, 0) == 1  # control: rule evicts the oldest slot not used by this call
+
+
+def test_score_keys_rank_below_every_stamp_of_the_step():
+    # an expert used or installed during a step keeps its slot until the next step's scores
+    from ftchat.offload.policy import SCORE, SCORE_CLOCK0
+    from ftchat.offload.scores import RouterScores
+
+    m = SlotMaps.create(2, 8, 4, clock0=SCORE_CLOCK0)
+    s = RouterScores(2, 8, 2, "cpu")
+    ensure(m, 0, t([[0, 1]]), SCORE)
+    s.record(0, torch.tensor([[9.0, 8.0, 0, 0, 0, 0, 0, 0]]))
+    s.observe(m)  # experts 0 and 1 now hold score keys, high as the routers rank them
+    ensure(m, 1, t([[0, 1]]), SCORE)  # layer 1: stamped at the clock
+    ensure(m, 1, t([[2, 3]]), SCORE)  # two more misses: the victims are layer 0's experts
+    assert sorted(m.id_of[:4].tolist()) == [8, 9, 10, 11]

@@ -18,7 +18,7 @@ from tests.offload_util import PROMPTS, InvariantChecker, model, reference, run
 
 @pytest.mark.parametrize("fmt", ["tiny_bf16", "tiny_nvfp4"])
 @pytest.mark.parametrize("bs", [1, 2])
-@pytest.mark.parametrize("policy", ["rule", "lru"])
+@pytest.mark.parametrize("policy", ["rule", "lru", "score"])
 @pytest.mark.parametrize("overlap", [True, False])
 def test_prefetch_on_is_bit_identical_to_off(fmt, bs, policy, overlap, request):
     folder = request.getfixturevalue(fmt)

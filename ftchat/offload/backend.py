@@ -33,7 +33,8 @@ from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.experts import routed_experts_any
 from ftchat.offload.hooks import BackendView, Hooks
-from ftchat.offload.policy import POLICIES
+from ftchat.offload.policy import POLICIES, SCORE_CLOCK0
+from ftchat.offload.scores import RouterScores
 from ftchat.offload.streams import CpuStreams, CudaStreams
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ class OffloadExperts:
                  attention_layers: set[int], cfg: OffloadConfig, device: torch.device,
                  streams: CpuStreams | CudaStreams, hooks: Hooks | None = None,
                  predictor: Callable[[Tensor, Tensor, int], Tensor] | None = None,
-                 kernels: KernelConfig = DEFAULT):
+                 kernels: KernelConfig = DEFAULT, top_k: int = 1):
         self.predictor = predictor or router_lookahead
         self.kernels = kernels  # the kernel configuration its expert kernels run with
         self.host, self.layout, self.cfg, self.device = host_rows, layout, cfg, device
@@ -134,7 +135,11 @@ class OffloadExperts:
         self.predicts = cfg.prefetch != "off" or self.hooks.reads_candidates
         # ===== fixed-address state (a captured graph reads and writes these) =====
         self.policy = POLICIES[cfg.policy]
-        self.maps = sc.SlotMaps.create(self.num_layers, self.num_experts, cfg.num_slots, device)
+        self.maps = sc.SlotMaps.create(self.num_layers, self.num_experts, cfg.num_slots, device,
+                                       clock0=SCORE_CLOCK0 if self.policy.reads_scores else 0)
+        # eviction `score`: every layer's router logits, folded in at the next step's start
+        self.scores = (RouterScores(self.num_layers, self.num_experts, top_k, device)
+                       if self.policy.reads_scores else None)
         self.maps.on_write = self.hooks.on_map_write
         self.bank = torch.zeros(cfg.num_slots + 1, layout.nbytes, dtype=torch.uint8, device=device)
         # measure mode: per layer [selected, useful, demand misses] (what prefetch would do)
@@ -187,6 +192,8 @@ class OffloadExperts:
     def reset(self) -> None:
         """Empty the cache in place and zero the figures; addresses are kept (graphs)."""
         sc.clear(self.maps)
+        if self.scores is not None:
+            self.scores.reset()
         self.tokens, self.started = 0, None
         self.measured.zero_()
         self.cands.zero_()
@@ -206,6 +213,8 @@ class OffloadExperts:
         if cfg.prefetch == "measure" and layer > 0:
             self._measure(layer, ids)  # the maps are as they were when the candidates were made
         self._join(layer)
+        if self.scores is not None:
+            self._score(layer, x)
         plan = self._run_compute(lambda: ensure_any(self.maps, layer, ids, self.policy))
         pplan = None
         if cfg.prefetch == "on" and nxt is not None:
@@ -307,6 +316,16 @@ class OffloadExperts:
             self.cands[nxt] = self.predictor(x, self.routers[nxt], self.cfg.candidates)
         s.run("predictor", run)
         self.pred_done[nxt] = s.record("predictor")
+
+    def _score(self, layer: int, x: Tensor) -> None:
+        """Eviction `score`, on the compute stream (the maps' one writer): at a step's first
+        layer, fold the last step's router logits in and rekey the slots; record this
+        layer's logits (its router on its input x [T, D])."""
+        def run():
+            if layer == 0:
+                self.scores.observe(self.maps)
+            self.scores.record(layer, x.float() @ self.routers[layer].float().T)  # [T, E]
+        self.streams.run("compute", run)
 
     def _measure(self, layer: int, ids: Tensor) -> None:
         """Count what prefetch would have done for `layer` (read-only)."""

@@ -25,11 +25,14 @@ from torch import Tensor
 
 from ftchat.offload.policy import (
     EMPTY_BASE,
+    HIT_BITS,
     LOW_BASE,
     MASKED,
     MAX_BUDGET,
     MAX_FREQ_CAP,
     RANK_BITS,
+    RES_BASE,
+    SCORE_BITS,
     EvictionPolicy,
     band_of,
     low_key,
@@ -66,6 +69,7 @@ class SlotMaps:
     clock: Tensor  # [1] int64, +1 per ensure
     stats: CacheStats
     on_write: Callable[[str], None] | None = field(default=None)  # debug hook, see _write
+    clock0: int = 0  # the clock's value when empty (policy.SCORE_CLOCK0 under `score`)
 
     @property
     def num_ids(self) -> int:
@@ -73,7 +77,8 @@ class SlotMaps:
 
     @classmethod
     def create(
-        cls, num_layers: int, num_experts: int, num_slots: int, device: torch.device | str = "cpu"
+        cls, num_layers: int, num_experts: int, num_slots: int, device: torch.device | str = "cpu",
+        clock0: int = 0,
     ) -> SlotMaps:
         n = num_layers * num_experts
         if num_layers < 1 or num_experts < 1 or num_slots < 1:
@@ -87,8 +92,9 @@ class SlotMaps:
             slot_of=torch.full((n + 1,), -1, dtype=torch.int32, device=device),
             id_of=torch.full((num_slots + 1,), -1, dtype=torch.int32, device=device),
             key=torch.full((num_slots + 1,), EMPTY_BASE, dtype=torch.int64, device=device),
-            clock=torch.zeros(1, dtype=torch.int64, device=device),
+            clock=torch.full((1,), clock0, dtype=torch.int64, device=device),
             stats=CacheStats.create(num_layers, device),
+            clock0=clock0,
         )
 
 
@@ -136,7 +142,8 @@ def _write(
 
 def clear(maps: SlotMaps) -> None:
     """Empty the cache in place, addresses kept (after a CUDA-graph warm-up ran real steps)."""
-    for name, value in (("slot_of", -1), ("id_of", -1), ("key", EMPTY_BASE), ("clock", 0)):
+    for name, value in (("slot_of", -1), ("id_of", -1), ("key", EMPTY_BASE),
+                        ("clock", maps.clock0)):
         if maps.on_write is not None:
             maps.on_write(name)
         getattr(maps, name).fill_(value)
@@ -157,6 +164,10 @@ def empty_slots(maps: SlotMaps, lo: int, hi: int) -> None:
     _write(maps, "slot_of", torch.where(old >= 0, old, n), torch.full_like(old, -1))
     _write(maps, "id_of", slots, torch.full_like(old, -1))
     _write(maps, "key", slots, torch.full_like(old, EMPTY_BASE))
+
+
+SCORE_RANGE = 64.0  # scores are clamped to +-64 (standardised logits never come near)
+SCORE_STEPS = float(1 << (SCORE_BITS - HIT_BITS - 8))  # key steps per unit of score
 
 
 def _first_occurrence(ids: Tensor) -> Tensor:
@@ -315,6 +326,19 @@ def prefetch_measure(
         useful=(selected & routed_hit).sum().reshape(1),
         misses=miss.sum().reshape(1),
     )
+
+
+def rekey_by_score(maps: SlotMaps, score: Tensor) -> None:
+    """The `score` policy's keys: every slot in the resident band gets a key that orders it by
+    score [N] float32 (one value per global id; higher is kept longer), below every stamp of a
+    clock >= SCORE_CLOCK0. Low-priority and empty slots keep theirs. No host sync."""
+    s = maps.num_slots
+    ids = maps.id_of[:s].long()  # [S]
+    resident = (band_of(maps.key[:s]) == 2) & (ids >= 0)
+    value = score.float()[ids.clamp(min=0)].clamp(-SCORE_RANGE, SCORE_RANGE) + SCORE_RANGE
+    q = (value * SCORE_STEPS).long()  # [S], below 2^(SCORE_BITS - HIT_BITS)
+    slots = torch.arange(s, device=ids.device)
+    _write(maps, "key", torch.where(resident, slots, s), RES_BASE + (q << HIT_BITS) + 1)
 
 
 def check_invariants(maps: SlotMaps) -> list[str]:

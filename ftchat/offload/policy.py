@@ -28,6 +28,12 @@ the whole per-slot state; score = clock of the last use + (h - 1) * W.
   one-token bonus was better at large capacity but up to 60% worse at ~1 token. The test
   tests/test_cache.py::test_rule_beats_lru_on_skewed_routing keeps rule <= lru.
 
+- `score`: ranks resident experts by what the router says of them (ftchat/offload/scores.py):
+  each layer's router logits, standardised, are averaged over tokens at a few time constants,
+  and the average that has best predicted the routing so far orders the slots. A use stamps the
+  key as `lru` does, but from a clock that starts at SCORE_CLOCK0, above every score key, so the
+  experts a token used stay until the next token's scores rank them.
+
 Overflow: the low band holds clock < 2^40 and the resident band score < 2^54, so keys stay in
 their bands and inside int64 for any run shorter than 2^40 ensure calls.
 """
@@ -55,6 +61,7 @@ class EvictionPolicy:
 
     name: str
     freq_cap: int
+    reads_scores: bool = False  # keys come from the router's scores (offload/scores.py)
 
     def __post_init__(self) -> None:
         if not 1 <= self.freq_cap <= MAX_FREQ_CAP:
@@ -77,7 +84,11 @@ class EvictionPolicy:
 
 LRU = EvictionPolicy("lru", freq_cap=1)
 RULE = EvictionPolicy("rule", freq_cap=16)
-POLICIES = {"lru": LRU, "rule": RULE}
+SCORE = EvictionPolicy("score", freq_cap=1, reads_scores=True)
+POLICIES = {"lru": LRU, "rule": RULE, "score": SCORE}
+
+SCORE_BITS = 40  # a score key's value: below 2^40, so below every stamp of a clock >= 2^32
+SCORE_CLOCK0 = 1 << (SCORE_BITS - HIT_BITS)  # the clock's start under `score`
 
 
 def low_key(clock: Tensor, rank: Tensor) -> Tensor:
