@@ -1,77 +1,110 @@
-"""Replay a routing trace (`ftchat run --record-routing FILE`) through the slot cache.
+"""Offload counts without a GPU: a routing source replayed through ftchat's cache code.
 
-For each slot count: demand misses per token under lru and rule (ftchat's own cache code), the
-Belady (furthest next use) oracle's misses, and the router lookahead's precision: of the first
-`budget` candidates predicted for layer L+1 at layer L, the share that layer L+1 routes to.
+For each eviction policy and prefetch arm: demand misses, prefetch installs and rows over the
+link per token, precision (useful / selected, measure mode's definition), useful predictions
+per predicted layer, the Belady floor, and the tok/s the link model (ftchat/routing/link.py)
+gives on a PCIe-5 and a PCIe-4 link beside its overlap bound. Arms: off, default (3 before a
+GDN layer, 4 before attention), budget 1/2/4, auto (the link's shadow: rows that fit under one
+layer's compute).
 
-    python benchmarks/replay_routing.py trace.jsonl --slots 8,16,32 --num-experts 64
+    python benchmarks/replay_routing.py --source calibrated:default --steps 600
+    python benchmarks/replay_routing.py --source trace:trace.jsonl --num-experts 64 --slots 96
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
+import os
+import sys
+import time
 
-import torch
+from ftchat.routing.calibrated import FITS, SEED_GEOMETRY, generate
+from ftchat.routing.link import PCIE4_GBPS, PCIE5_GBPS, LinkModel
+from ftchat.routing.replay import ReplayConfig, belady, replay
+from ftchat.routing.trace import read_trace
 
-from ftchat.offload import cache as sc
-from ftchat.offload.policy import POLICIES
-
-
-def load(path: str) -> list[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def replay(trace: list[dict], E: int, S: int, policy: str) -> float:
-    L = len(trace[0]["routed"])
-    maps = sc.SlotMaps.create(L, E, S)
-    for step in trace:
-        for layer, ids in enumerate(step["routed"]):
-            sc.ensure(maps, layer, torch.tensor([ids]), POLICIES[policy])
-    return int(maps.stats.misses.sum()) / len(trace)
+ROW_BYTES = 2_780_160  # one NVFP4 expert row of flash-next
 
 
-def belady(trace: list[dict], E: int, S: int) -> float:
-    seq = [layer * E + e for step in trace for layer, ids in enumerate(step["routed"])
-           for e in sorted(set(ids))]
-    nxt, last = [0] * len(seq), {}
-    for i in range(len(seq) - 1, -1, -1):
-        nxt[i], last[seq[i]] = last.get(seq[i], len(seq)), i
-    held, misses = {}, 0  # id -> next use
-    for i, g in enumerate(seq):
-        if g not in held:
-            misses += 1
-            if len(held) >= S:
-                del held[max(held, key=held.get)]
-        held[g] = nxt[i]
-    return misses / len(trace)
-
-
-def precision(trace: list[dict], budget: int) -> float:
-    good = total = 0
-    for step in trace:
-        for layer, cands in enumerate(step["candidates"]):
-            routed = set(step["routed"][layer + 1])
-            good += len(set(cands[:budget]) & routed)
-            total += budget
-    return good / total if total else float("nan")
+def budgets(arm: str, num_layers: int, auto: int) -> tuple[str, tuple[int, ...]]:
+    if arm == "off":
+        return "off", tuple(4 if (i % 4 == 3) else 3 for i in range(num_layers))
+    if arm == "default":
+        return "on", tuple(4 if (i % 4 == 3) else 3 for i in range(num_layers))
+    if arm == "auto":
+        return "on", (auto,) * num_layers
+    return "on", (int(arm.removeprefix("budget")),) * num_layers
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("trace")
-    ap.add_argument("--num-experts", type=int, required=True)
-    ap.add_argument("--slots", default="16,32,64")
-    ap.add_argument("--budget", type=int, default=4)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--source", default="calibrated:default",
+                    help="calibrated:FIT (" + ", ".join(FITS) + ") or trace:FILE")
+    ap.add_argument("--steps", type=int, default=600, help="calibrated steps (with the warm-up)")
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--num-experts", type=int, default=SEED_GEOMETRY.num_experts)
+    ap.add_argument("--slots", type=int, default=1650)
+    ap.add_argument("--evictions", default="rule,lru,score")
+    ap.add_argument("--arms", default="off,default,budget1,budget2,budget4,auto")
+    ap.add_argument("--compute-ms", type=float, default=5.0,
+                    help="the resident decode step, ms per token (the link model's compute)")
+    ap.add_argument("--row-bytes", type=int, default=ROW_BYTES)
+    ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
-    trace = load(args.trace)
-    print(f"{len(trace)} tokens, lookahead precision (first {args.budget} of the candidates): "
-          f"{precision(trace, args.budget):.3f}")
-    for S in (int(s) for s in args.slots.split(",")):
-        row = {p: replay(trace, args.num_experts, S, p) for p in ("lru", "rule")}
-        row["belady"] = belady(trace, args.num_experts, S)
-        print(f"slots {S}: misses/token " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()))
+    kind, _, what = args.source.partition(":")
+    if kind == "calibrated":
+        steps = list(itertools.islice(generate(SEED_GEOMETRY, FITS[what or "default"],
+                                               args.seed), args.steps))
+    elif kind == "trace":
+        steps = read_trace(what)
+    else:
+        sys.exit(f"--source {args.source!r}: expected calibrated:FIT or trace:FILE")
+    L = steps[0].routed.shape[0]
+    links = {"pcie5": LinkModel(args.compute_ms / 1e3, PCIE5_GBPS, args.row_bytes),
+             "pcie4": LinkModel(args.compute_ms / 1e3, PCIE4_GBPS, args.row_bytes)}
+    auto = links["pcie5"].shadow_budget(L)
+    floor = belady(steps, args.num_experts, args.slots, args.warmup)
+    out = {"source": args.source, "seed": args.seed, "steps": len(steps), "warmup": args.warmup,
+           "slots": args.slots, "compute_ms": args.compute_ms, "belady": floor,
+           "auto_budget": {k: v.shadow_budget(L) for k, v in links.items()}, "rows": []}
+    print(f"{args.source}: {len(steps) - args.warmup} tokens counted, {args.slots} slots, "
+          f"Belady floor {floor:.1f} misses/token", flush=True)
+    for ev in args.evictions.split(","):
+        if ev == "score" and steps[0].logits is None:
+            continue  # a trace carries no router logits
+        for arm in args.arms.split(","):
+            for link_name, link in links.items():
+                if arm != "auto" and link_name == "pcie4":
+                    continue  # the same counts: one replay serves both links
+                b = link.shadow_budget(L) if arm == "auto" else auto
+                prefetch, bud = budgets(arm, L, b)
+                t0 = time.perf_counter()
+                c = replay(steps, args.num_experts, ReplayConfig(args.slots, ev, prefetch, bud),
+                           args.warmup)
+                row = {"eviction": ev, "arm": arm if arm != "auto" else f"auto({link_name})",
+                       "budget": bud[3] if prefetch == "on" else 0,
+                       "misses": c.misses, "installs": c.installs, "rows": c.rows,
+                       "precision": c.precision, "useful_per_layer": c.useful_per_layer(L)}
+                for name, lk in links.items():
+                    if arm == "auto" and name != link_name:
+                        continue
+                    row[f"tok_s_{name}"] = 1 / lk.token_seconds(c.per_layer_misses,
+                                                                c.per_layer_installs)
+                    row[f"bound_tok_s_{name}"] = 1 / lk.bound_seconds(c.rows)
+                out["rows"].append(row)
+                print(f"{ev:5} {row['arm']:12} misses {c.misses:6.1f}  installs {c.installs:6.1f}"
+                      f"  rows {c.rows:6.1f}  precision {c.precision:.3f}  useful/layer "
+                      f"{row['useful_per_layer']:.2f}  " + "  ".join(
+                          f"{k[6:]} {v:.1f}" for k, v in row.items() if k.startswith("tok_s"))
+                      + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    if args.out:
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(out, f, indent=1)
+        os.replace(tmp, args.out)
 
 
 if __name__ == "__main__":

@@ -74,7 +74,8 @@ def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap
     folder = folders[fmt]
     steps = STEPS if graph else EAGER_STEPS
     ref = resident(folder, bs, graph, steps)
-    for prefetch, policy in (("off", "lru"), ("on", "rule"), ("on", "lru")):
+    for prefetch, policy in (("off", "lru"), ("on", "rule"), ("on", "lru"), ("off", "score"),
+                             ("on", "score")):
         (tokens, logits), ex = offloaded(folder, bs, graph, steps, slots=bs * 4 + 10,
                                          eviction=policy, overlap=overlap, prefetch=prefetch)
         assert tokens == ref[0], (prefetch, policy)
