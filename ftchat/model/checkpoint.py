@@ -190,6 +190,9 @@ class Checkpoint:
             out[name] = self._ngram_table(name, parts, dtype, table_in_place_bytes, table_host,
                                           table_progress)
             self._check_hash_rows(name, out, out[name].shape[0])
+        if not self.has("lm_head.weight") and getattr(a, "tie_word_embeddings", False):
+            out["lm_head.weight"] = out["embed_tokens.weight"]  # tied: the embedding's weight
+            return out
         out["lm_head.weight"] = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size)).to(
             device, dtype)
         return out
@@ -211,7 +214,8 @@ class Checkpoint:
         a = self.args
         for name, spec in self.family.dense_specs(a).items():
             self._check_shape(name, spec.shape, spec.quantizable)
-        self._check_shape("lm_head.weight", (a.vocab_size, a.hidden_size), True)
+        if self.has("lm_head.weight") or not getattr(a, "tie_word_embeddings", False):
+            self._check_shape("lm_head.weight", (a.vocab_size, a.hidden_size), True)
         stacked = "layers.0.mlp.experts.gate_up_proj"
         if self.format == BF16 and self.has(stacked):
             E, I, H = a.num_experts, a.moe_intermediate_size, a.hidden_size

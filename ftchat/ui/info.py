@@ -83,24 +83,16 @@ def info_lines(folder: Path, vram_gib: list[float] | None = None,
     ck = Checkpoint(folder)
     ck.check_shapes()  # the figures below come from config.json: it must match the weights
     a, layout = ck.args, ck.row_layout()
-    n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
-    pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))
     row, n_rows = layout.nbytes, a.num_hidden_layers * a.num_experts
     dense, ngram = dense_gpu_bytes(ck)
     stored = {}
     for path in sorted(set(ck.files.values())):
         stored.update(header_bytes(path))
     disk_experts = sum(b for k, b in stored.items() if ".mlp.experts." in k)
-    ple = ", ".join(str(i) for i in a.ple_layer_ids) or "none"
     lines = [
         f"model        {folder}",
         f"format       {ck.format} (model_type {ck.hf_config.get('model_type')})",
-        f"layers       {a.num_hidden_layers}: {a.num_hidden_layers - n_attn} GDN (linear_attention)"
-        f", {n_attn} attention (indexed_attention); PLE at layer(s) {ple}",
-        f"pattern      {pattern}  (G = GDN, A = attention)",
-        f"geometry     hidden {a.hidden_size}, vocab {a.vocab_size}, {a.num_experts} experts "
-        f"top-{a.num_experts_per_tok}, expert inner {a.moe_intermediate_size}, shared expert "
-        f"inner {a.shared_expert_intermediate_size}, {a.hc_count} hyper-connection streams",
+        *ck.family.describe(a),
         f"context      {a.max_position_embeddings} (max_position_embeddings)",
         f"expert row   {row:,} B ({layout.kind})",
         f"experts      {n_rows:,} rows = {human(n_rows * row)} in host memory",
