@@ -20,6 +20,8 @@ class Qwen3MoeArgs(dec.Qwen3Args):
     @classmethod
     def from_hf(cls, cfg: object, where: str = "config.json") -> Qwen3MoeArgs:
         t = dec.text_config(cfg, where, None, MODEL_TYPES)
+        if t.get("num_experts") is None and t.get("num_local_experts") is not None:
+            t = {**t, "num_experts": t["num_local_experts"]}  # transformers 5 writes this name
         dec.refuse_dense_mlp_layers(t, where)
         f = _Fields(t, where)
         if f.bool("use_sliding_window", False) or f.bool("attention_bias", False):

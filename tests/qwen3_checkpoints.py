@@ -1,0 +1,68 @@
+"""Tiny qwen3_5_moe / qwen3_next / qwen3_moe checkpoints written by transformers itself
+(save_pretrained of a randomly initialised model, fp32), with the synthetic ChatML tokenizer;
+and the transformers model read back from such a folder (the reference of the oracle tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ftchat.model.tokenizer import write_synthetic_tokenizer
+
+VOCAB = 512
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=32, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=32,
+              max_position_embeddings=4096, rope_parameters={"rope_type": "default",
+                                                             "rope_theta": 10000.0})
+GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+           linear_value_head_dim=16, shared_expert_intermediate_size=32, num_hidden_layers=4)
+FAMILIES = ("qwen3_5_moe", "qwen3_next", "qwen3_moe")
+
+
+def hf_classes(family: str):
+    """(config class, causal-LM class, the tiny config's fields) of a family."""
+    import transformers as tf
+
+    if family == "qwen3_5_moe":  # layers G G G A; partial RoPE (the config's default 0.25)
+        rope = dict(COMMON["rope_parameters"], partial_rotary_factor=0.25)
+        return tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM, dict(
+            COMMON, **GDN, rope_parameters=rope)
+    if family == "qwen3_next":
+        rope = dict(COMMON["rope_parameters"], partial_rotary_factor=0.25)
+        return tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM, dict(
+            COMMON, **GDN, rope_parameters=rope, norm_topk_prob=True)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM, dict(
+            COMMON, num_hidden_layers=3, norm_topk_prob=True)
+    raise AssertionError(family)
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights of a trained model's scale: matrices N(0, 1/fan_in) (HF's init is N(0, 0.02²),
+    which makes every logit ~0), norm weights moved off their init; A_log, dt_bias and the
+    conv as initialised (drawn under the seed too)."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        elif p.dim() >= 2 and "conv1d" not in name:
+            p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+
+
+def write_hf_checkpoint(folder: Path, family: str, seed: int = 0) -> Path:
+    cfg_cls, model_cls, fields = hf_classes(family)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**fields)).eval()
+    randomize(model, seed)
+    model.save_pretrained(folder)
+    write_synthetic_tokenizer(Path(folder), VOCAB)
+    return Path(folder)
+
+
+def reference_model(folder: Path):
+    """The transformers model of a folder, fp32, eval."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
