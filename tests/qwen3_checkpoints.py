@@ -66,3 +66,38 @@ def reference_model(folder: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def reference_from_synthetic(folder: Path):
+    """The transformers model of a synthetic checkpoint (`ftchat synth --preset qwen3*-tiny`),
+    fp32, its NVFP4 experts dequantized by the test's own code (tests/reference.py) and
+    stacked as transformers holds them ([E, 2I, D] gate|up, [E, D, I] down)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tests.reference import _dequant, _read_all
+
+    cfg = AutoConfig.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    raw = _read_all(Path(folder))
+    sd = {}
+    for k, v in raw.items():
+        if k.endswith((".weight_scale", ".weight_scale_2", ".weight_global_scale")):
+            continue
+        if v.dtype == torch.uint8:  # an NVFP4 expert projection (either dialect)
+            base = k.rsplit(".", 1)[0]
+            g = (1.0 / raw[base + ".weight_global_scale"].float() if k.endswith("_packed")
+                 else raw[base + ".weight_scale_2"].float())
+            v, k = _dequant(v, raw[base + ".weight_scale"], g), base + ".weight"
+        sd[k] = v.float()
+    E = cfg.num_experts if hasattr(cfg, "num_experts") else cfg.num_local_experts
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        proj = {n: [sd.pop(f"{p}.{e}.{n}.weight") for e in range(E)]
+                for n in ("gate_proj", "up_proj", "down_proj")}
+        sd[f"{p}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u in
+                                               zip(proj["gate_proj"], proj["up_proj"])])
+        sd[f"{p}.down_proj"] = torch.stack(proj["down_proj"])
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not [k for k in missing if "rotary" not in k] and not unexpected, (missing,
+                                                                             unexpected)
+    return model

@@ -19,6 +19,7 @@ from ftchat.codecs.rows import RowLayout
 from ftchat.errors import FtchatError, ModelError
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
+from ftchat.model.registry import family_of
 from ftchat.resolve import resolve_model
 from ftchat.settings import context_tokens
 from ftchat.sizes import PREFILL_CHUNK
@@ -153,19 +154,13 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     return 0
 
 
-def synthetic_lines(a: ModelArgs, layout: RowLayout, preset: str, fmt: str) -> list[str]:
+def synthetic_lines(a, layout: RowLayout, preset: str, fmt: str) -> list[str]:
     """The geometry lines of a synthetic layout (`info --synthetic`): nothing is on disk."""
-    n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
     n_rows = a.num_hidden_layers * a.num_experts
-    pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))
     return [
         f"model        synthetic {preset}, {a.num_hidden_layers} layers, {fmt} experts (in "
         "memory, as bench --synthetic builds it)",
-        f"layers       {a.num_hidden_layers}: {a.num_hidden_layers - n_attn} GDN, {n_attn} "
-        f"attention; PLE at layer(s) {', '.join(map(str, a.ple_layer_ids)) or 'none'}",
-        f"pattern      {pattern}  (G = GDN, A = attention)",
-        f"geometry     hidden {a.hidden_size}, vocab {a.vocab_size}, {a.num_experts} experts "
-        f"top-{a.num_experts_per_tok}, expert inner {a.moe_intermediate_size}",
+        *family_of(a).describe(a),
         f"context      {a.max_position_embeddings} (max_position_embeddings)",
         f"expert row   {layout.nbytes:,} B ({layout.kind})",
         f"experts      {n_rows:,} rows = {human(n_rows * layout.nbytes)} in host memory",
