@@ -148,7 +148,8 @@ def test_unknown_model_type(tiny_bf16, tmp_path):
     cfg["model_type"] = "llama"
     (m / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelError, match="unsupported model_type 'llama'; ftchat runs "
-                       "qwen4_exp, qwen4_exp_text$"):
+                       "qwen4_exp, qwen4_exp_text, qwen3_5_moe, qwen3_5_moe_text, qwen3_next, "
+                       "qwen3_moe$"):
         Checkpoint(m)
     with pytest.raises(ModelError, match="unsupported model_type 'llama'"):
         load_args(m)  # what `run` checks the context with, before loading

@@ -1,4 +1,4 @@
-"""Full causal GQA attention of the Qwen3 MoE line (docs/model.md section 13.3): per-head q/k
+"""Full causal GQA attention of the Qwen3 MoE line (docs/model.md section 15.3): per-head q/k
 RMSNorm, partial RoPE, and in qwen3_5_moe / qwen3_next an output gate read from the same
 projection as the query (o * sigmoid(gate), the gate of qwen4_exp's attention without its QSA
 indexer). K and V live in an AttentionCache (ftchat/model/kv_cache.py, model dtype or FP8) whose

@@ -1,7 +1,7 @@
 """Qwen3.5-MoE (HF qwen3_5_moe; its text model qwen3_5_moe_text): the Qwen3 MoE line decoder
 (ftchat/model/qwen3_decoder.py) with Gated DeltaNet layers 3:1 with gated full attention,
 partial RoPE (factor 0.25 by default), zero-centred RMSNorms, a shared expert with a sigmoid
-gate, and a router that always renormalises its top-k (docs/model.md section 13).
+gate, and a router that always renormalises its top-k (docs/model.md section 15).
 
 A `Qwen3_5MoeForConditionalGeneration` checkpoint keeps the text model under
 `model.language_model.` beside a vision tower (`model.visual.*`) and an MTP head (`mtp.*`):

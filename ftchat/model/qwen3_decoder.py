@@ -1,5 +1,5 @@
 """The decoder of the Qwen3 MoE line: qwen3_5_moe, qwen3_next and qwen3_moe (docs/model.md
-section 13). Each layer is two pre-norm residual blocks, a mixer (Gated DeltaNet or full
+section 15). Each layer is two pre-norm residual blocks, a mixer (Gated DeltaNet or full
 attention) and the routed MoE:
 
     h = embed(ids)                                         # [B, T, D]
@@ -199,7 +199,7 @@ def validate(a: Qwen3Args, where: str) -> None:
           "linear_num_value_heads must be a multiple of linear_num_key_heads")
 
 
-# ===== the tensor inventory (docs/model.md 13.2) =====
+# ===== the tensor inventory (docs/model.md 15.2) =====
 
 
 def layer_specs(i: int, a: Qwen3Args) -> dict[str, TensorSpec]:

@@ -1,7 +1,7 @@
 """Qwen3-MoE (HF qwen3_moe): the Qwen3 MoE line decoder (ftchat/model/qwen3_decoder.py) with
 full attention in every layer (no output gate, full RoPE by default), plain-weight RMSNorms
 (x * w), no shared expert, and a router that renormalises its top-k only with
-`norm_topk_prob` (HF default false; the released checkpoints set it true). docs/model.md 13.
+`norm_topk_prob` (HF default false; the released checkpoints set it true). docs/model.md section 15.
 """
 
 from __future__ import annotations

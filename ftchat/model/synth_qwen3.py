@@ -1,5 +1,5 @@
 """`ftchat synth` presets of the Qwen3 MoE line: a tiny one per family (every layer type in a
-few MB) and one at the released model's geometry (docs/model.md 13.4 says where each figure
+few MB) and one at the released model's geometry (docs/model.md 15.5 says where each figure
 comes from). Text-only configs as transformers writes them (`model.` prefix, per-expert
 tensors); the checkpoint writer is ftchat/model/synth.py's.
 """
