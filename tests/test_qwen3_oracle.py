@@ -97,3 +97,63 @@ def test_greedy_chat_reply_equals_transformers_generate(family, qwen3_folders, r
         hf_reply = hf_tok.decode(out[0, len(ids):].tolist())
         ours = [s.tokens[0] for s in generate(m, [ids], 12, resident_backend(m))]
         assert tok.decode(ours) == hf_reply and ours == out[0, len(ids):].tolist()
+
+
+def _decode_matches_full_forward(m, ref_forward, p: list[int], steps: int) -> float:
+    """Max abs difference of ftchat's prefill and decode logits against the reference's full
+    forward over the prompt and the tokens ftchat chose (asserting each was its argmax)."""
+    out = list(generate(m, [p], steps, resident_backend(m)))
+    toks = [s.tokens[0] for s in out]
+    with torch.no_grad():
+        full = ref_forward(torch.tensor([p + toks[:-1]]))[0, len(p) - 1:]  # [steps, V]
+    assert toks == full.argmax(-1).tolist()
+    return (torch.stack([s.logits[0] for s in out]) - full).abs().max().item()
+
+
+def test_multimodal_wrapper_checkpoint_loads_its_language_model(tmp_path):
+    """A Qwen3_5MoeForConditionalGeneration saved by transformers (model_type qwen3_5_moe,
+    text under model.language_model., a vision tower beside it): ftchat runs the text model."""
+    from transformers import Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration
+
+    from tests.qwen3_checkpoints import hf_classes, randomize
+
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                  patch_size=4, temporal_patch_size=1, spatial_merge_size=1,
+                  num_position_embeddings=16)
+    torch.manual_seed(5)
+    ref = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(
+        text_config=hf_classes("qwen3_5_moe")[2], vision_config=vision)).eval()
+    randomize(ref, 5)
+    ref.save_pretrained(tmp_path / "wrapped")
+    m = load_model(tmp_path / "wrapped")
+    assert m.family.name == "qwen3_5_moe"
+    assert not any("visual" in k for k in m.weights.tensors)
+    diff = _decode_matches_full_forward(m, lambda x: ref(input_ids=x).logits, prompt(30, 6), 12)
+    print(f"\n[oracle] qwen3_5_moe multimodal wrapper: {diff:.3e}")
+    assert diff < TOL
+
+
+def test_stacked_bf16_experts_read_as_per_expert_ones(qwen3_folders, refs, tmp_path):
+    """The same weights with each layer's experts stacked ([E, 2I, D] gate|up, [E, D, I] down,
+    the layout transformers holds them in): the same logits as the per-expert folder."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src, dst = qwen3_folders["qwen3_5_moe"], tmp_path / "stacked"
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    a = load_model(src).args
+    for i in range(a.num_hidden_layers):
+        p = f"model.layers.{i}.mlp.experts"
+        parts = {n: [sd.pop(f"{p}.{e}.{n}.weight") for e in range(a.num_experts)]
+                 for n in ("gate_proj", "up_proj", "down_proj")}
+        sd[f"{p}.gate_up_proj"] = torch.stack([torch.cat(gu) for gu in
+                                               zip(parts["gate_proj"], parts["up_proj"])])
+        sd[f"{p}.down_proj"] = torch.stack(parts["down_proj"])
+    save_file(sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    m = load_model(dst)
+    assert torch.equal(m.host_rows, load_model(src).host_rows)
+    diff = _decode_matches_full_forward(m, lambda x: refs["qwen3_5_moe"](x).logits,
+                                        prompt(20, 7), 8)
+    assert diff < TOL
