@@ -68,21 +68,58 @@ def reference_model(folder: Path):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
+FP8_BLOCK = (48, 48)  # not a divisor of 64 or 32: full and partial blocks both occur
+
+
+def dequantize_blocks_loop(codes: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
+    """Block-FP8 [N, K] -> fp32, block by block (the test's own reading of the layout)."""
+    out = codes.float()
+    bn, bk = block
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            out[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] *= scale[i, j].item()
+    return out
+
+
+def quantize_blocks(w: torch.Tensor, block) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (e4m3 codes [N, K], fp32 scale_inv [ceil(N/bn), ceil(K/bk)]): each block
+    divided by its scale, as Qwen's FP8 checkpoints store them."""
+    bn, bk = block
+    N, K = w.shape
+    scale = torch.empty(-(-N // bn), -(-K // bk))
+    codes = torch.empty(N, K, dtype=torch.float8_e4m3fn)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].float()
+            # a power of two >= amax / 448: codes x scale is then exact in bf16, the expert
+            # rows' dtype (a real export's scale is any fp32; the product rounds there)
+            scale[i, j] = 2.0 ** torch.ceil(torch.log2(blk.abs().max().clamp(min=1e-12) / 448))
+            codes[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / scale[i, j]).to(
+                torch.float8_e4m3fn)
+    return codes, scale
+
+
 def reference_from_synthetic(folder: Path):
     """The transformers model of a synthetic checkpoint (`ftchat synth --preset qwen3*-tiny`),
-    fp32, its NVFP4 experts dequantized by the test's own code (tests/reference.py) and
+    or of a block-FP8 one (test_qwen3_fp8.py), fp32, its NVFP4 experts and FP8 weights
+    dequantized by the test's own code (tests/reference.py, `dequantize_blocks_loop`) and
     stacked as transformers holds them ([E, 2I, D] gate|up, [E, D, I] down)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tests.reference import _dequant, _read_all
 
     cfg = AutoConfig.from_pretrained(folder)
+    if hasattr(cfg, "quantization_config"):  # the weights come dequantized below
+        del cfg.quantization_config
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     raw = _read_all(Path(folder))
     sd = {}
     for k, v in raw.items():
-        if k.endswith((".weight_scale", ".weight_scale_2", ".weight_global_scale")):
+        if k.endswith((".weight_scale", ".weight_scale_2", ".weight_global_scale",
+                       ".weight_scale_inv")):
             continue
+        if v.dtype == torch.float8_e4m3fn:  # block-FP8 (test_qwen3_fp8.py's writer)
+            v = dequantize_blocks_loop(v, raw[k + "_scale_inv"], FP8_BLOCK)
         if v.dtype == torch.uint8:  # an NVFP4 expert projection (either dialect)
             base = k.rsplit(".", 1)[0]
             g = (1.0 / raw[base + ".weight_global_scale"].float() if k.endswith("_packed")
