@@ -57,3 +57,26 @@ def test_info_reports_the_real_geometry_presets_and_a_vram_plan(preset, facts):
     text = out.getvalue()
     assert all(f in text for f in facts), text
     assert "16 GiB:" in text and "slots fit" in text
+
+
+@pytest.mark.parametrize("preset", PRESETS.values())
+@pytest.mark.parametrize("T, L, kv", [(300, 512, "auto"), (700, 2048, "fp8")])
+def test_plan_covers_a_whole_prefill_call(preset, T, L, kv):
+    """engine.prefill of the last T tokens of a prompt filling L, bf16 on the CPU, measured as
+    tests/test_prefill_memory.py measures qwen4_exp's: the VRAM plan's prefill workspace (cuda
+    False: the CPU paths) covers the peak, within 2x (measured: 1.06-1.1x)."""
+    from ftchat import engine
+    from ftchat.model.synth_memory import synthetic_model
+    from ftchat.vram.plan import prefill_workspace
+    from tests.test_prefill_memory import peak_bytes
+
+    m = synthetic_model(preset, None, "nvfp4-modelopt", "cpu", torch.bfloat16)
+    a, fp8 = m.args, kv == "fp8"
+    state = m.family.new_state(a, 1, L, "cpu", torch.bfloat16,
+                               torch.float8_e4m3fn if fp8 else None)
+    experts = engine.resident_backend(m)
+    ids = torch.randint(0, a.vocab_size, (T,), generator=torch.Generator().manual_seed(T))
+    measured = peak_bytes(lambda: engine.prefill(m, state, 0, ids, L - T, experts,
+                                                 logits_at=slice(-1, None)))
+    planned = sum(prefill_workspace(a, m.layout, 2, T, L, False, False, fp8).values())
+    assert measured <= planned <= 2 * measured, (measured, planned)

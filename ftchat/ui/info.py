@@ -97,8 +97,8 @@ def info_lines(folder: Path, vram_gib: list[float] | None = None,
         f"context      {a.max_position_embeddings} (max_position_embeddings)",
         f"expert row   {row:,} B ({layout.kind})",
         f"experts      {n_rows:,} rows = {human(n_rows * row)} in host memory",
-        f"dense        {human(dense)} on the GPU at bfloat16, plus the n-gram table "
-        f"{human(ngram)} in host memory",
+        f"dense        {human(dense)} on the GPU at bfloat16"
+        + (f", plus the n-gram table {human(ngram)} in host memory" if ngram else ""),
         f"on disk      {human(sum(stored.values()))} in {len(set(ck.files.values()))} shard(s): "
         f"{human(disk_experts)} experts, {human(sum(stored.values()) - disk_experts)} dense",
     ]
