@@ -50,6 +50,7 @@ class Checkpoint:
         if self.prefix is None:
             raise ModelError(f"{self.folder}: no embed_tokens.weight under {' or '.join(PREFIXES)}")
         self.fp8_block: tuple[int, int] = (128, 128)  # block of a block-FP8 checkpoint
+        self.format = BF16  # until detected
         self.format = self._detect_format()
 
     # ===== files and tensors =====
@@ -99,7 +100,8 @@ class Checkpoint:
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise ModelError(
                 f"{path}: tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
-        if t.dtype == FP8 and t.dim() >= 2:  # block-FP8: codes times their block's scale
+        if t.dtype == FP8 and self.format == FP8_BLOCK and name.endswith(".weight"):
+            # block-FP8: codes times their block's scale (NVFP4 block scales are e4m3 too)
             scale = name + "_scale_inv"
             if not self.has(scale):
                 raise ModelError(f"{path}: FP8 tensor {full} has no {self._full(scale)}")
