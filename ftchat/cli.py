@@ -149,8 +149,9 @@ def _read_prompt_file(path: Path) -> str:
 @app.command(cls=_Command)
 def synth(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="New folder to write")],
-    preset: Annotated[str, typer.Option(metavar="tiny|flash-next", help="Model geometry")
-                      ] = "tiny",
+    preset: Annotated[str, typer.Option(metavar="PRESET", help="Model geometry: tiny, "
+                                        "flash-next, qwen3.5-moe[-tiny], qwen3-next[-tiny], "
+                                        "qwen3-moe[-tiny]")] = "tiny",
     layers: Annotated[int | None, typer.Option(metavar="N", help="Decoder layers (preset's)")
                       ] = None,
     format: Annotated[str, typer.Option(

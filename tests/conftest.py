@@ -27,3 +27,12 @@ def tiny_ct(tmp_path_factory):
 # Two cores in CI: intra-op threads fight each other and the other test workers (an index_add_
 # took 14 ms instead of microseconds under contention), so the tests run single-threaded.
 torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def qwen3_folders(tmp_path_factory):
+    """family -> a tiny checkpoint of it written by transformers (tests/qwen3_checkpoints.py)."""
+    from tests.qwen3_checkpoints import FAMILIES, write_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3")
+    return {f: write_hf_checkpoint(root / f, f, seed=i) for i, f in enumerate(FAMILIES)}

@@ -53,9 +53,9 @@ def test_the_weights_config_reaches_every_kernel_choice(fixture, request, monkey
     mine = KernelConfig(pdl=False)
     asked = _asked(m, mine, monkeypatch)
     callers = {c for _, c in asked}
-    # the HC read / write, the router and the MoE block (_fused), both mixers' decode, the GDN
+    # the HC read / write, the router and the MoE block (moe.runs_fused), both mixers' decode, the GDN
     # prefill scan, the routed experts' prefill kernels; NVFP4 rows: their dequantization
-    want = {"_fused", "gdn_mixer", "attention_mixer", "_prefill_kernel", "routed_experts"}
+    want = {"runs_fused", "gdn_mixer", "attention_mixer", "_prefill_kernel", "routed_experts"}
     if fixture == "tiny_nvfp4":
         want.add("dequantize")
     assert want <= callers, callers

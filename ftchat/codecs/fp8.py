@@ -26,3 +26,13 @@ def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
 def dequantize_rows(codes: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
     """codes [..., hd] float8_e4m3fn, scale [...] fp32 -> [..., hd] in dtype."""
     return (codes.float() * scale[..., None]).to(dtype)
+
+
+def dequantize_blocks(codes: Tensor, scale_inv: Tensor, block: tuple[int, int]) -> Tensor:
+    """A block-FP8 weight (Qwen's FP8 checkpoints, docs/model.md 15.2): codes [..., N, K]
+    float8_e4m3fn and scale_inv [..., ceil(N/bn), ceil(K/bk)] fp32, one multiplier per bn x bk
+    block (the edge blocks partial) -> fp32 [..., N, K] = fp32(codes) * the scale of its block."""
+    N, K = codes.shape[-2:]
+    bn, bk = block
+    s = scale_inv.float().repeat_interleave(bn, -2)[..., :N, :].repeat_interleave(bk, -1)
+    return codes.float() * s[..., :K]

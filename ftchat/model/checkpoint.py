@@ -18,6 +18,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from ftchat.codecs import nvfp4
+from ftchat.codecs.fp8 import FP8, dequantize_blocks
 from ftchat.codecs.rows import RowLayout
 from ftchat.errors import ModelError
 from ftchat.kernels import ple_gather
@@ -27,6 +28,8 @@ from ftchat.model.registry import family_for_config
 
 PREFIXES = ("model.language_model.", "model.")
 BF16 = "bf16"  # any unquantized float checkpoint
+FP8_BLOCK = "fp8-block"  # Qwen's block-FP8: every FP8 weight dequantized at load, experts to bf16
+FLOAT_EXPERTS = (BF16, FP8_BLOCK)  # formats whose expert rows are bf16 (or fp32)
 INDEX = "model.safetensors.index.json"
 
 
@@ -46,6 +49,8 @@ class Checkpoint:
         self.prefix = next((p for p in PREFIXES if f"{p}embed_tokens.weight" in self.files), None)
         if self.prefix is None:
             raise ModelError(f"{self.folder}: no embed_tokens.weight under {' or '.join(PREFIXES)}")
+        self.fp8_block: tuple[int, int] = (128, 128)  # block of a block-FP8 checkpoint
+        self.format = BF16  # until detected
         self.format = self._detect_format()
 
     # ===== files and tensors =====
@@ -95,6 +100,12 @@ class Checkpoint:
         if shape is not None and tuple(t.shape) != tuple(shape):
             raise ModelError(
                 f"{path}: tensor {full} has shape {list(t.shape)}, expected {list(shape)}")
+        if t.dtype == FP8 and self.format == FP8_BLOCK and name.endswith(".weight"):
+            # block-FP8: codes times their block's scale (NVFP4 block scales are e4m3 too)
+            scale = name + "_scale_inv"
+            if not self.has(scale):
+                raise ModelError(f"{path}: FP8 tensor {full} has no {self._full(scale)}")
+            return dequantize_blocks(t, self.get(scale), self.fp8_block)
         return t
 
     # ===== format =====
@@ -108,6 +119,8 @@ class Checkpoint:
             except (OSError, ValueError) as e:
                 raise ModelError(f"{hf_quant}: unreadable ({e})") from None
             qc = {"quant_method": "modelopt", **q}
+        if qc and str(qc.get("quant_method", "")).lower() == "fp8":
+            return self._fp8_blocks(qc)
         dialect = nvfp4.dialect_from_quant_config(qc) if qc else None
         probe = self.prefix + self.family.expert_name(0, 0, "gate_proj")
         found = nvfp4.detect_dialect(self.files, probe)
@@ -115,9 +128,22 @@ class Checkpoint:
             raise ModelError(f"{self.folder}: quantization config says {dialect}, tensors say {found}")
         return dialect or found or BF16
 
+    def _fp8_blocks(self, qc: dict) -> str:
+        """FP8_BLOCK for Qwen's block-FP8 quantization config (e4m3, weight_block_size [bn,
+        bk]); ModelError for another FP8 scheme."""
+        block = qc.get("weight_block_size")
+        fmt = str(qc.get("fmt", "e4m3")).lower()
+        if (fmt != "e4m3" or not isinstance(block, list) or len(block) != 2
+                or not all(isinstance(b, int) and b > 0 for b in block)):
+            raise ModelError(f"{self.folder}: unsupported FP8 quantization (fmt {fmt!r}, "
+                             f"weight_block_size {block!r}); ftchat reads e4m3 weights with a "
+                             "scale per [bn, bk] block (weight_scale_inv)")
+        self.fp8_block = (block[0], block[1])
+        return FP8_BLOCK
+
     def row_layout(self, dtype: torch.dtype | None = None) -> RowLayout:
         a = self.args
-        if self.format == BF16:
+        if self.format in FLOAT_EXPERTS:
             dt = dtype or self._expert_dtype()
             return RowLayout("bf16", a.hidden_size, a.moe_intermediate_size, dt)
         return RowLayout("nvfp4", a.hidden_size, a.moe_intermediate_size)
@@ -190,6 +216,9 @@ class Checkpoint:
             out[name] = self._ngram_table(name, parts, dtype, table_in_place_bytes, table_host,
                                           table_progress)
             self._check_hash_rows(name, out, out[name].shape[0])
+        if not self.has("lm_head.weight") and getattr(a, "tie_word_embeddings", False):
+            out["lm_head.weight"] = out["embed_tokens.weight"]  # tied: the embedding's weight
+            return out
         out["lm_head.weight"] = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size)).to(
             device, dtype)
         return out
@@ -211,9 +240,10 @@ class Checkpoint:
         a = self.args
         for name, spec in self.family.dense_specs(a).items():
             self._check_shape(name, spec.shape, spec.quantizable)
-        self._check_shape("lm_head.weight", (a.vocab_size, a.hidden_size), True)
+        if self.has("lm_head.weight") or not getattr(a, "tie_word_embeddings", False):
+            self._check_shape("lm_head.weight", (a.vocab_size, a.hidden_size), True)
         stacked = "layers.0.mlp.experts.gate_up_proj"
-        if self.format == BF16 and self.has(stacked):
+        if self.format in FLOAT_EXPERTS and self.has(stacked):
             E, I, H = a.num_experts, a.moe_intermediate_size, a.hidden_size
             self._check_shape(stacked, (E, 2 * I, H))
             self._check_shape("layers.0.mlp.experts.down_proj", (E, H, I))
@@ -278,7 +308,7 @@ class Checkpoint:
         a = self.args
         rows = torch.empty(a.num_experts, layout.nbytes, dtype=torch.uint8)
         stacked = f"layers.{layer}.mlp.experts.gate_up_proj"
-        if self.format == BF16 and self.has(stacked):
+        if self.format in FLOAT_EXPERTS and self.has(stacked):
             gu = self.get(stacked, (a.num_experts, 2 * a.moe_intermediate_size, a.hidden_size))
             dn = self.get(f"layers.{layer}.mlp.experts.down_proj",
                           (a.num_experts, a.hidden_size, a.moe_intermediate_size))
@@ -291,7 +321,7 @@ class Checkpoint:
 
     def _expert_parts(self, layer: int, e: int) -> dict[str, Tensor]:
         shapes = self.family.expert_specs(self.args)
-        if self.format == BF16:
+        if self.format in FLOAT_EXPERTS:
             w = {p: self.get(self.family.expert_name(layer, e, p) + ".weight", s)
                  for p, s in shapes.items()}
             return {"gate_up": torch.cat([w["gate_proj"], w["up_proj"]]), "down": w["down_proj"]}

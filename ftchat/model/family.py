@@ -56,3 +56,4 @@ class Family:
     routers: Callable[[Any, Args], list[Tensor]]  # (weights, args) -> router weight per layer
     attention_layers: Callable[[Args], frozenset[int]]  # layers whose mixer is attention
     memory: MemoryFormulas
+    describe: Callable[[Args], list[str]]  # `ftchat info`'s layers, pattern and geometry lines

@@ -13,16 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ftchat.kernels import gemv, hyper, router
+from ftchat.kernels import hyper
 from ftchat.kernels.config import DEFAULT, KernelConfig
-from ftchat.kernels.routed_experts import DECODE_MAX_TOKENS
-from ftchat.kernels.shared_expert import shared_down
 from ftchat.model.config import ModelArgs
-from ftchat.model.expert_backend import ExpertBackend, SharedOut
+from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.embedding import EMBED, embed
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
-from ftchat.model.layers import (ROUTER, SHARED_FUSED, fuse_moe_layers, rms_norm,
-                                  shared_expert_ref)
+from ftchat.model.layers import ROUTER, fuse_moe_layers, rms_norm
+from ftchat.model.moe import (moe_block, moe_decode_fused, route, route_ref,  # noqa: F401
+                              runs_fused as _fused, shared_expert_parts)
 from ftchat.model.ple import ple_residual
 from ftchat.model.qsa import attention_mixer, fuse_qsa_layers
 from ftchat.model.state import DecodeState
@@ -56,12 +55,6 @@ class Weights:
         view = copy.copy(self)
         view.kernels = kernels
         return view
-
-
-def _fused(t: Tensor, max_rows: int, kc: KernelConfig) -> bool:
-    # the Triton decode kernels: on in kc, CUDA, bf16/fp32, at most max_rows rows (shapes only)
-    return (kc.runs_fused(t) and t.dtype in (torch.bfloat16, torch.float32)
-            and t.numel() <= max_rows * t.shape[-1])
 
 
 def hc_read(R: Tensor, w: dict, a: ModelArgs, inject: bool = True, *,
@@ -130,71 +123,6 @@ def hc_write_read(R: Tensor, y: Tensor | None, s: Tensor | None, w: dict, a: Mod
     return (R, *out) if inject else (R, out, None)
 
 
-def route(x: Tensor, gate_w: Tensor, a: ModelArgs, *, kc: KernelConfig = DEFAULT
-          ) -> tuple[Tensor, Tensor]:
-    """Softmax router: top-k ids [T, K] and weights [T, K] (renormalised, model dtype).
-    On CUDA decode: the GEMV, then one kernel (ftchat/kernels/router.py), else `route_ref`."""
-    if not _fused(x, router.ROUTER_MAX_ROWS, kc):
-        return route_ref(x, gate_w, a)
-    logits = F.linear(x, gate_w)  # [T, E], the reference's GEMV: identical logits
-    return router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob, kc=kc)
-
-
-def route_ref(x: Tensor, gate_w: Tensor, a: ModelArgs) -> tuple[Tensor, Tensor]:
-    """The torch reference (and CPU path) of `route`."""
-    probs = torch.softmax(F.linear(x, gate_w), dim=-1, dtype=torch.float32)  # [T, E]
-    top, ids = torch.topk(probs, a.num_experts_per_tok, dim=-1)
-    if a.norm_topk_prob:
-        top = top / top.sum(-1, keepdim=True)
-    return ids, top.to(x.dtype)
-
-
-def moe_block(layer: int, x: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs, *,
-              kc: KernelConfig = DEFAULT) -> Tensor:
-    """x [B, T, D] -> [B, T, D]: routed experts (through the backend) plus the gated shared expert
-    (docs/model.md section 5.1), the shared expert computed while the routed rows are copied.
-    CUDA decode (<= 8 rows, fused shared weights): `moe_decode_fused`; else the torch reference
-    `routed + shared_expert_ref`."""
-    xt = x.flatten(0, 1)  # [B*T, D]
-    if SHARED_FUSED in w and _fused(xt, DECODE_MAX_TOKENS, kc):
-        return moe_decode_fused(layer, xt, w, experts, a, kc).view_as(x)
-    ids, weights = route(xt, w[ROUTER], a, kc=kc)
-    pending = experts.begin(layer, xt, ids)
-    shared = shared_expert_ref(xt, w)
-    return (experts.finish(pending, xt, weights) + shared).view_as(x)
-
-
-def moe_decode_fused(layer: int, xt: Tensor, w: dict, experts: ExpertBackend, a: ModelArgs,
-                     kc: KernelConfig) -> Tensor:
-    """CUDA decode of the MoE block, xt [N, D] -> [N, D]: one GEMV on [gate | up | gate logit |
-    router] (the router's rows when fused at load, else its own GEMV), the router kernel, the
-    backend's copies begin; the shared expert's down GEMV (overlapping the copies), then the
-    backend's routed kernel, which adds the gate and the sum. It rounds where torch does (bf16
-    within ~an ulp); the router logits are the Triton GEMV's, so an expert whose logit ties the
-    k-th within an ulp may be chosen otherwise than on the torch path (the identity tests
-    compare arms of one path)."""
-    I = w["shared_expert.down_proj.weight"].shape[1]
-    E = w[SHARED_FUSED].shape[0] - (2 * I + 1)  # router rows fused in (0: kept apart)
-    proj = gemv.linear(xt, w[SHARED_FUSED], kc=kc)  # [N, 2I + 1 (+ E)]
-    logits = proj[:, 2 * I + 1:] if E > 0 else F.linear(xt, w[ROUTER])
-    ids, weights = router.router_topk_triton(logits, a.num_experts_per_tok, a.norm_topk_prob,
-                                             kc=kc)
-    pending = experts.begin(layer, xt, ids)
-    return experts.finish(pending, xt, weights, shared_expert_parts(xt, w, proj, kc=kc))
-
-
-def shared_expert_parts(x: Tensor, w: dict, proj: Tensor | None = None, *,
-                        kc: KernelConfig = DEFAULT) -> SharedOut:
-    """The shared expert before its gate, for CUDA decode: the fused GEMV's output proj
-    [N, 2I + 1 (+ E)] (computed here when not given), then the down GEMV of h = silu(g) * u
-    (ftchat/kernels/shared_expert.py). x [N, D] -> down [N, D], gate logit [N, 1] (a column
-    view of proj)."""
-    proj = gemv.linear(x, w[SHARED_FUSED], kc=kc) if proj is None else proj
-    down_w = w["shared_expert.down_proj.weight"]
-    I = down_w.shape[1]
-    return SharedOut(shared_down(proj, down_w, kc=kc), proj[:, 2 * I:2 * I + 1])
-
-
 def forward(tokens: Tensor, pos: Tensor, W: Weights, state: DecodeState, rows: slice,
             experts: ExpertBackend, a: ModelArgs, kv_len: int,
             logits_at: slice | None = slice(None)) -> Tensor | None:
@@ -248,3 +176,18 @@ def routers(W: Weights, a: ModelArgs) -> list[Tensor]:
 def _sub(w: dict, prefix: str) -> dict:
     n = len(prefix)
     return {k[n:]: v for k, v in w.items() if k.startswith(prefix)}
+
+
+def describe(a: ModelArgs) -> list[str]:
+    """`ftchat info`'s layers, pattern and geometry lines."""
+    n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
+    pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))
+    ple = ", ".join(str(i) for i in a.ple_layer_ids) or "none"
+    return [
+        f"layers       {a.num_hidden_layers}: {a.num_hidden_layers - n_attn} GDN (linear_attention)"
+        f", {n_attn} attention (indexed_attention); PLE at layer(s) {ple}",
+        f"pattern      {pattern}  (G = GDN, A = attention)",
+        f"geometry     hidden {a.hidden_size}, vocab {a.vocab_size}, {a.num_experts} experts "
+        f"top-{a.num_experts_per_tok}, expert inner {a.moe_intermediate_size}, shared expert "
+        f"inner {a.shared_expert_intermediate_size}, {a.hc_count} hyper-connection streams",
+    ]

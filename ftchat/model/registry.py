@@ -12,7 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ftchat.errors import ModelError
-from ftchat.model import qwen4_exp, qwen4_exp_memory, spec
+from ftchat.model import (qwen3_5_moe, qwen3_decoder, qwen3_decoder_memory, qwen3_moe,
+                          qwen3_next, qwen4_exp, qwen4_exp_memory, spec)
 from ftchat.model.config import MODEL_TYPES, ModelArgs, json_kind, read_config_json
 from ftchat.model.family import Family, MemoryFormulas
 from ftchat.model.state import DecodeState
@@ -38,9 +39,46 @@ QWEN4_EXP = Family(
         stream_bytes=qwen4_exp_memory.stream_bytes,
         prefill_lengths=qwen4_exp_memory.prefill_lengths,
     ),
+    describe=qwen4_exp.describe,
 )
 
-FAMILIES = (QWEN4_EXP,)
+# the Qwen3 MoE line: one decoder (ftchat/model/qwen3_decoder.py), a file per family for its
+# config and tensor names
+QWEN3_MEMORY = MemoryFormulas(
+    dense_items=qwen3_decoder_memory.dense_items,
+    state_items=qwen3_decoder_memory.state_items,
+    decode_terms=qwen3_decoder_memory.decode_terms,
+    prefill_blocks=qwen3_decoder_memory.prefill_blocks,
+    stream_bytes=qwen3_decoder_memory.stream_bytes,
+    prefill_lengths=qwen3_decoder_memory.prefill_lengths,
+)
+
+
+def _qwen3_family(name: str, module, args_type: type, weights=qwen3_decoder.Weights) -> Family:
+    return Family(
+        name=name,
+        model_types=module.MODEL_TYPES,
+        args_type=args_type,
+        parse_config=args_type.from_hf,
+        dense_specs=qwen3_decoder.dense_specs,
+        expert_specs=spec.expert_specs,
+        expert_name=spec.expert_name,
+        weights=weights,
+        forward=qwen3_decoder.forward,
+        new_state=qwen3_decoder.new_state,
+        routers=qwen3_decoder.routers,
+        attention_layers=qwen3_decoder.attention_layers,
+        memory=QWEN3_MEMORY,
+        describe=qwen3_decoder.describe,
+    )
+
+
+QWEN3_5_MOE = _qwen3_family("qwen3_5_moe", qwen3_5_moe, qwen3_5_moe.Qwen35MoeArgs)
+QWEN3_NEXT = _qwen3_family("qwen3_next", qwen3_next, qwen3_next.Qwen3NextArgs,
+                           qwen3_next.Weights)
+QWEN3_MOE = _qwen3_family("qwen3_moe", qwen3_moe, qwen3_moe.Qwen3MoeArgs)
+
+FAMILIES = (QWEN4_EXP, QWEN3_5_MOE, QWEN3_NEXT, QWEN3_MOE)
 _BY_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 _BY_ARGS = {f.args_type: f for f in FAMILIES}
 

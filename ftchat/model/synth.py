@@ -27,12 +27,13 @@ from torch import Tensor
 from ftchat.errors import FtchatError
 from ftchat.codecs import nvfp4
 from ftchat.codecs.rows import RowLayout
+from ftchat.model import synth_qwen3
 from ftchat.model.config import ModelArgs
 from ftchat.model.ple import layer_multipliers, table_rows
-from ftchat.model.spec import dense_specs, expert_name, expert_specs
+from ftchat.model.registry import family_of, parse_config
 from ftchat.model.tokenizer import SPECIAL_OFFSETS, write_synthetic_tokenizer
 
-PREFIX = "model.language_model."
+PREFIX = "model.language_model."  # qwen4_exp's text prefix; the Qwen3 MoE line's is "model."
 FORMATS = ("bf16", nvfp4.MODELOPT, nvfp4.COMPRESSED_TENSORS)
 STORED_DTYPE = torch.bfloat16  # every float tensor of a synthetic checkpoint (experts too, in bf16)
 LM_HEAD = "lm_head.weight"  # the one name outside the text prefix
@@ -69,7 +70,8 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
                    max_position_embeddings=262144, rope_theta=1e7)
         types = ["linear_attention"] * 3 + ["indexed_attention"]
     else:
-        raise FtchatError(f"unknown preset {preset!r}: use tiny or flash-next")
+        raise FtchatError(f"unknown preset {preset!r}: use tiny, flash-next or one of "
+                          f"{', '.join(synth_qwen3.PRESETS)}")
     if n < 2:
         raise FtchatError("--layers must be at least 2 (the PLE layer is layer 2)")
     theta = cfg.pop("rope_theta")
@@ -91,6 +93,8 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
 
 def preset_vocab(preset: str) -> tuple[int, int | None]:
     """(vocab size, id of <|endoftext|> or None for "the top of the range") of a preset."""
+    if synth_qwen3.is_preset(preset):
+        return synth_qwen3.preset_vocab(preset)
     return (512, None) if preset == "tiny" else (248320, 248044)
 
 
@@ -109,6 +113,12 @@ def hf_config(preset: str, layers: int | None, fmt: str, dense: str = "bf16") ->
         raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     check_dense(dense, fmt)
     vocab, _ = preset_vocab(preset)
+    if synth_qwen3.is_preset(preset):  # a text-only config, prefix "model."
+        hf = synth_qwen3.hf_config(preset, layers, special_ids(preset)["<|endoftext|>"])
+        if fmt != "bf16":
+            hf["quantization_config"] = nvfp4.quant_config_dict(
+                fmt, _unquantized_modules(dense, "model."))
+        return hf
     text = preset_config(preset, layers, special_ids(preset)["<|endoftext|>"], vocab)
     hf = {"architectures": ["Qwen4ExpForConditionalGeneration"], "model_type": "qwen4_exp",
           "text_config": text, "tie_word_embeddings": False,
@@ -119,9 +129,14 @@ def hf_config(preset: str, layers: int | None, fmt: str, dense: str = "bf16") ->
     return hf
 
 
-def model_args(preset: str, layers: int | None, fmt: str) -> ModelArgs:
-    """ModelArgs as read back from the checkpoint's config.json (a JSON round trip)."""
-    return ModelArgs.from_hf(json.loads(json.dumps(hf_config(preset, layers, fmt))))
+def model_args(preset: str, layers: int | None, fmt: str):
+    """The family's args as read back from the checkpoint's config.json (a JSON round trip)."""
+    return parse_config(json.loads(json.dumps(hf_config(preset, layers, fmt))))
+
+
+def prefix_of(a) -> str:
+    """The text-model prefix a synthetic checkpoint of a's family writes."""
+    return PREFIX if isinstance(a, ModelArgs) else "model."
 
 
 def row_layout(a: ModelArgs, fmt: str) -> RowLayout:
@@ -207,8 +222,14 @@ def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = Non
     value / PLE_FP8_SCALE, the scale after the last shard (docs/model.md 7.4).
     """
     fix = fix or _keep
-    ple = {i: a.ple_layers.index(i) for i in a.ple_layers}
-    for name, spec in dense_specs(a).items():
+    fam = family_of(a)
+    ple = {i: a.ple_layers.index(i) for i in getattr(a, "ple_layers", ())}
+    specs = fam.dense_specs(a)
+    last_mlp = {}  # layer -> its last MoE tensor: the layer's experts follow it
+    for name in specs:
+        if name.startswith("layers.") and ".mlp." in name:
+            last_mlp[int(name.split(".")[1])] = name
+    for name, spec in specs.items():
         if spec.init == "int64":
             t = _ple_buffer(name, a, ple)
         else:
@@ -217,7 +238,7 @@ def generate(a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix | None = Non
             yield from _fp8_shard(name, t, a)
             continue
         yield DenseTensor(name, t)
-        if name.startswith("layers.") and name.endswith("mlp.shared_expert_gate.weight"):
+        if name.startswith("layers.") and last_mlp.get(int(name.split(".")[1])) == name:
             layer = int(name.split(".")[1])
             for e in range(a.num_experts):
                 yield ExpertTensors(layer, e, _expert(layer, e, a, fmt, gen, fix))
@@ -249,9 +270,10 @@ def _ple_buffer(name: str, a: ModelArgs, ple: dict[int, int]) -> Tensor:
 def _expert(layer: int, e: int, a: ModelArgs, fmt: str, gen: torch.Generator, fix: Fix
             ) -> dict[str, Tensor | tuple[Tensor, Tensor, Tensor]]:
     parts: dict[str, Tensor | tuple[Tensor, Tensor, Tensor]] = {}
-    for proj, (n, k) in expert_specs(a).items():
+    fam = family_of(a)
+    for proj, (n, k) in fam.expert_specs(a).items():
         if fmt == "bf16":
-            base = PREFIX + expert_name(layer, e, proj)
+            base = prefix_of(a) + fam.expert_name(layer, e, proj)
             parts[proj] = fix(base, _init((n, k), "linear", gen)).to(STORED_DTYPE)
         else:
             parts[proj] = _random_nvfp4(n, k, gen)
@@ -347,32 +369,34 @@ def _write(folder: Path, preset: str, layers: int | None, fmt: str, seed: int,
     # special_ids is what the in-memory model uses for eos: it must place them the same way
     assert specials == special_ids(preset), (specials, special_ids(preset))
     hf = hf_config(preset, layers, fmt, dense)
-    a = ModelArgs.from_hf(hf)
+    a = parse_config(hf)
+    prefix = prefix_of(a)
     (folder / "config.json").write_text(json.dumps(hf, indent=2))
     (folder / "generation_config.json").write_text(json.dumps(generation_config(preset), indent=2))
 
-    limit = max_shard_bytes or (1 << 20 if preset == "tiny" else 4 << 30)
+    limit = max_shard_bytes or (1 << 20 if preset.endswith("tiny") else 4 << 30)
     w = _ShardWriter(folder, limit)
     gen = torch.Generator().manual_seed(seed)
     for item in generate(a, fmt, gen, weights_fn, ple_table):
         if isinstance(item, DenseTensor) and quantized_dense(item.name, dense):
-            base = PREFIX + item.name[: -len(".weight")]
+            base = prefix + item.name[: -len(".weight")]
             for name, x in nvfp4.to_checkpoint(fmt, base, *nvfp4.quantize(item.tensor.float())
                                                ).items():
                 w.add(name, x)
             continue
         if isinstance(item, DenseTensor):
-            w.add(item.name if item.name == LM_HEAD else PREFIX + item.name, item.tensor)
+            w.add(item.name if item.name == LM_HEAD else prefix + item.name, item.tensor)
             continue
-        _add_expert(w, item, fmt)
+        _add_expert(w, item, fmt, prefix, family_of(a).expert_name)
         if progress and item.index == a.num_experts - 1:
             progress(item.layer + 1, a.num_hidden_layers)
     w.finish()
 
 
-def _add_expert(w: _ShardWriter, item: ExpertTensors, fmt: str) -> None:
+def _add_expert(w: _ShardWriter, item: ExpertTensors, fmt: str, prefix: str,
+                expert_name: Callable[[int, int, str], str]) -> None:
     for proj, t in item.parts.items():
-        base = PREFIX + expert_name(item.layer, item.index, proj)
+        base = prefix + expert_name(item.layer, item.index, proj)
         if fmt == "bf16":
             w.add(base + ".weight", t)
         else:
@@ -392,10 +416,10 @@ def quantized_dense(name: str, dense: str) -> bool:
     return dense == "nvfp4" and name.startswith("layers.") and name.endswith(NVFP4_DENSE)
 
 
-def _unquantized_modules(dense: str = "bf16") -> list[str]:
-    """What stays bf16 in synthetic NVFP4 checkpoints: everything but the routed experts, or
-    (dense "nvfp4") also but the GDN qkv and z projections, as the real checkpoint stores them."""
-    m = "model.language_model."
+def _unquantized_modules(dense: str = "bf16", m: str = PREFIX) -> list[str]:
+    """What stays bf16 in synthetic NVFP4 checkpoints (text prefix m): everything but the routed
+    experts, or (dense "nvfp4") also but the GDN qkv and z projections, as the real checkpoint
+    stores them."""
     gdn = ([f"{m}*.linear_attn.{n}" for n in ("in_proj_b", "in_proj_a", "out_proj", "conv1d",
                                               "norm")]
            if dense == "nvfp4" else [f"{m}*.linear_attn*"])

@@ -19,6 +19,7 @@ from ftchat.codecs.rows import RowLayout
 from ftchat.errors import FtchatError, ModelError
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
+from ftchat.model.registry import family_of
 from ftchat.resolve import resolve_model
 from ftchat.settings import context_tokens
 from ftchat.sizes import PREFILL_CHUNK
@@ -83,29 +84,21 @@ def info_lines(folder: Path, vram_gib: list[float] | None = None,
     ck = Checkpoint(folder)
     ck.check_shapes()  # the figures below come from config.json: it must match the weights
     a, layout = ck.args, ck.row_layout()
-    n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
-    pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))
     row, n_rows = layout.nbytes, a.num_hidden_layers * a.num_experts
     dense, ngram = dense_gpu_bytes(ck)
     stored = {}
     for path in sorted(set(ck.files.values())):
         stored.update(header_bytes(path))
     disk_experts = sum(b for k, b in stored.items() if ".mlp.experts." in k)
-    ple = ", ".join(str(i) for i in a.ple_layer_ids) or "none"
     lines = [
         f"model        {folder}",
         f"format       {ck.format} (model_type {ck.hf_config.get('model_type')})",
-        f"layers       {a.num_hidden_layers}: {a.num_hidden_layers - n_attn} GDN (linear_attention)"
-        f", {n_attn} attention (indexed_attention); PLE at layer(s) {ple}",
-        f"pattern      {pattern}  (G = GDN, A = attention)",
-        f"geometry     hidden {a.hidden_size}, vocab {a.vocab_size}, {a.num_experts} experts "
-        f"top-{a.num_experts_per_tok}, expert inner {a.moe_intermediate_size}, shared expert "
-        f"inner {a.shared_expert_intermediate_size}, {a.hc_count} hyper-connection streams",
+        *ck.family.describe(a),
         f"context      {a.max_position_embeddings} (max_position_embeddings)",
         f"expert row   {row:,} B ({layout.kind})",
         f"experts      {n_rows:,} rows = {human(n_rows * row)} in host memory",
-        f"dense        {human(dense)} on the GPU at bfloat16, plus the n-gram table "
-        f"{human(ngram)} in host memory",
+        f"dense        {human(dense)} on the GPU at bfloat16"
+        + (f", plus the n-gram table {human(ngram)} in host memory" if ngram else ""),
         f"on disk      {human(sum(stored.values()))} in {len(set(ck.files.values()))} shard(s): "
         f"{human(disk_experts)} experts, {human(sum(stored.values()) - disk_experts)} dense",
     ]
@@ -161,19 +154,13 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     return 0
 
 
-def synthetic_lines(a: ModelArgs, layout: RowLayout, preset: str, fmt: str) -> list[str]:
+def synthetic_lines(a, layout: RowLayout, preset: str, fmt: str) -> list[str]:
     """The geometry lines of a synthetic layout (`info --synthetic`): nothing is on disk."""
-    n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
     n_rows = a.num_hidden_layers * a.num_experts
-    pattern = "".join("A" if a.is_attention(i) else "G" for i in range(a.num_hidden_layers))
     return [
         f"model        synthetic {preset}, {a.num_hidden_layers} layers, {fmt} experts (in "
         "memory, as bench --synthetic builds it)",
-        f"layers       {a.num_hidden_layers}: {a.num_hidden_layers - n_attn} GDN, {n_attn} "
-        f"attention; PLE at layer(s) {', '.join(map(str, a.ple_layer_ids)) or 'none'}",
-        f"pattern      {pattern}  (G = GDN, A = attention)",
-        f"geometry     hidden {a.hidden_size}, vocab {a.vocab_size}, {a.num_experts} experts "
-        f"top-{a.num_experts_per_tok}, expert inner {a.moe_intermediate_size}",
+        *family_of(a).describe(a),
         f"context      {a.max_position_embeddings} (max_position_embeddings)",
         f"expert row   {layout.nbytes:,} B ({layout.kind})",
         f"experts      {n_rows:,} rows = {human(n_rows * layout.nbytes)} in host memory",
