@@ -28,7 +28,9 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 PrefillChunk, Prefetch, Prompt, PromptFile, Quiet,
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
-from ftchat.errors import FtchatError
+from ftchat.cli_options import Force
+from ftchat.errors import FtchatError, Terminated
+from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.settings import resolve_one, resolve_settings
 
 
@@ -106,7 +108,7 @@ def run(
     budget_attn: BudgetAttn = None, candidates: Candidates = None, eviction: Eviction = None,
     overlap: Overlap = None, copy_programs: CopyPrograms = None,
     verify: Verify = None, audit_every: AuditEvery = None, audit: OldName = None,
-    record_routing: RecordRouting = None,
+    record_routing: RecordRouting = None, force: Force = None,
 ) -> None:
     if file is not None:
         if prompt is not None:
@@ -123,6 +125,7 @@ def run(
         prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
         candidates=candidates, eviction=eviction, overlap=overlap, copy_programs=copy_programs,
         verify=verify, audit_every=audit_every, audit=audit, record_routing=record_routing,
+        force=force,
     ), os.environ)
     from ftchat.ui.run import run as run_ui
 
@@ -365,8 +368,9 @@ def bench_cmd(
     model: Model = None,
     arms: Annotated[str, typer.Option("--arms", metavar="ARMS", help=ARMS_HELP)
                     ] = "off;on;on:budget=4",
-    context: Annotated[str, typer.Option(
-        "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k")] = "4k",
+    context: Annotated[str | None, typer.Option(
+        "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k (default 4k, "
+        "less where the model's positions need it)")] = None,
     steps: Annotated[int, typer.Option(metavar="N", help="Tokens per arm per round")] = 32,
     rounds: Annotated[int, typer.Option(metavar="N", help="Interleaved rounds")] = 3,
     synthetic: Synthetic = None,
@@ -402,7 +406,12 @@ def bench_cmd(
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: errors are one `error: ...` line on stderr, never a traceback."""
     try:
-        code = app(args=argv, prog_name="ftchat", standalone_mode=False)
+        standard_streams()  # a closed stdin/stderr made harmless, a closed stdout refused
+        with stop_signals():  # SIGTERM, SIGHUP: unwind as Ctrl-C does (temporary output removed)
+            code = app(args=argv, prog_name="ftchat", standalone_mode=False)
+            sys.stdout.flush()  # a full disk or a closed pipe reported here, not at exit
+    except Terminated as e:
+        return _fail(f"stopped by {signal_name(e.signum)}", 128 + e.signum)
     except FtchatError as e:
         return _fail(str(e), 1)
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
@@ -417,6 +426,14 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`| head`): silence the final flush of stdout too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:
+        if e.filename is None and _stdout_failed():  # /dev/full, a closed or broken stdout
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return _fail(f"cannot write to stdout: {e.strerror or e}", 1)
+        if os.environ.get("FTCHAT_DEBUG"):
+            raise
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return _fail(f"{where}{e.strerror or e}", 1)
     except Exception as e:  # a bug or a device error: one line, the traceback on request
         if os.environ.get("FTCHAT_DEBUG"):
             raise
@@ -428,8 +445,21 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fail(message: str, code: int) -> int:
     first = (message.strip().splitlines() or [""])[0]
-    print(f"error: {first}", file=sys.stderr)
+    try:
+        print(f"error: {first}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr gone too (a hung-up terminal): the status tells
+        pass
     return code
+
+
+def _stdout_failed() -> bool:
+    """Whether stdout cannot take what is written to it (the failed data is still buffered)."""
+    try:
+        sys.stdout.flush()
+        os.fstat(sys.stdout.fileno())
+    except (OSError, ValueError):
+        return True
+    return False
 
 
 if __name__ == "__main__":

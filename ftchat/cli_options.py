@@ -140,7 +140,11 @@ AuditEvery = Annotated[int | None, typer.Option(
 OldName = Annotated[int | None, typer.Option(hidden=True)]  # a flag's old name, still accepted
 RecordRouting = Annotated[str | None, typer.Option(
     metavar="FILE", rich_help_panel=DEBUG,
-    help="Write the routed expert ids of every step to FILE")]
+    help="Write the routed expert ids of every step to FILE (a new file; renamed into place "
+    "when the run ends)")]
+Force = Annotated[bool | None, typer.Option(
+    "--force", metavar="", rich_help_panel=DEBUG,
+    help="Let --record-routing replace an existing file")]
 
 # ===== synthetic models (synth, info, bench) =====
 Layers = Annotated[int | None, typer.Option(metavar="N", help="Decoder layers of --synthetic")]

@@ -13,3 +13,14 @@ class ModelError(FtchatError):
 
 class SettingsError(FtchatError):
     """An invalid flag or environment variable value."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread so that every `finally` runs (temporary
+    output removed, terminal modes restored) before the process exits with 128 + the signal.
+
+    A BaseException, as KeyboardInterrupt: an `except Exception` cannot swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -68,6 +68,7 @@ class Settings:
     audit_every: int = 0  # 0: off
     copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
     record_routing: str | None = None
+    force: bool = False  # an output file (--record-routing) may replace an existing file
     panel: bool | None = None  # None: on when stderr is a terminal
     json: bool = False
     system: str | None = None
@@ -109,6 +110,12 @@ class Settings:
     def watched(self) -> bool:
         """Whether a debug watcher (verifier, slot audit, routing recorder) is on."""
         return bool(self.verify or self.audit_every or self.record_routing)
+
+    def check_graph(self) -> None:
+        """Refuse --graph where there is no CUDA device to capture on (before loading)."""
+        if self.graph and self.torch_device().type != "cuda":
+            raise SettingsError("--graph: CUDA graphs need a CUDA device and this run is on the "
+                                "CPU; drop --graph (the CPU decodes eagerly)")
 
     def use_graph(self) -> bool:
         """CUDA graphs on CUDA by default; the debug modes (verify, audit, routing record) read
@@ -215,11 +222,24 @@ def _stop_strings(value: object, where: str) -> tuple[str, ...]:
         raise _fail(where, value, "text")
     if any(x == "" for x in items):
         raise _fail(where, value, "a non-empty stop string")
+    for x in items:
+        _unicode_text(x, where)
     return tuple(dict.fromkeys(items))
 
 
-def _prompt(value: object, where: str) -> str:
+def _unicode_text(value: object, where: str) -> str:
+    """Text a tokenizer will read: no lone surrogates (the bytes of an argument that are not
+    UTF-8 arrive as surrogates)."""
     text = _text(value, where)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SettingsError(f"{where}: not UTF-8 text (give the text in UTF-8)") from None
+    return text
+
+
+def _prompt(value: object, where: str) -> str:
+    text = _unicode_text(value, where)
     if not text.strip():
         raise _fail(where, value, "a prompt with some text in it")
     return text
@@ -293,9 +313,10 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "copy_programs": ("copy_programs", "--copy-programs", _int(0), ENV_SLIM_COPY,
                       _copy_programs_env),
     "record_routing": ("record_routing", "--record-routing", _text, None, None),
+    "force": ("force", "--force", _bool, None, None),
     "panel": ("panel", "--panel", _bool, None, None),
     "json": ("json", "--json", _bool, None, None),
-    "system": ("system", "--system", _text, None, None),
+    "system": ("system", "--system", _unicode_text, None, None),
     "prompt": ("prompt", "--prompt", _prompt, None, None),
     "quiet": ("quiet", "--quiet", _bool, None, None),
     "threads": ("threads", "--threads", _int(1), None, None),

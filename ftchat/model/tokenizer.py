@@ -6,6 +6,7 @@ tokenizer_config.json) for synthetic checkpoints; `Tokenizer` reads any such fol
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +17,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from ftchat.errors import ModelError
+from ftchat.errors import FtchatError, ModelError
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"
@@ -234,7 +235,15 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         # Special tokens written in the text (e.g. a rendered prompt) encode as their ids; no BOS.
+        check_unicode(text, "the text")
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the longest vocabulary entry: a text of B bytes is at least
+        B / (3 x this) tokens (3: what NFC composition can shrink a text by, at most)."""
+        return max((len(t.encode("utf-8", "replace")) for t in self.backend.get_vocab()),
+                   default=1)
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
@@ -262,6 +271,16 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ModelError(f"chat template failed: {exc}") from exc
+
+
+def check_unicode(text: str, what: str) -> None:
+    """Refuse a lone surrogate (e.g. a JSON "\\ud800", or undecodable bytes in an argument):
+    no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FtchatError(f"{what} is not valid Unicode: it holds a lone surrogate "
+                          f"U+{ord(text[e.start]):04X} at character {e.start + 1}") from None
 
 
 def _stop_ids(folder: Path, special_ids: dict[str, int]) -> frozenset[int]:
@@ -302,6 +321,9 @@ def _compile_template(folder: Path, config: dict) -> jinja2.Template:
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise ModelError(f"{origin} has no chat_template")
+    if not source.strip():
+        raise ModelError(f"{origin}: the chat_template is empty; restore the model's template "
+                         "(it turns messages into the prompt)")
     try:
         return _jinja_env().from_string(source)
     except jinja2.TemplateError as exc:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import os
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 from ftchat.errors import FtchatError
+from ftchat.model.tokenizer import check_unicode
 from ftchat.sampling import Sampling
 from ftchat.session import Session, StepRecord, StopText
 from ftchat.settings import Settings
@@ -77,6 +78,7 @@ class Job:
     max_new_tokens: int | None = None
     stop: tuple[str, ...] | None = None
     sampling: Sampling | None = None
+    source: str = "--prompt"  # where it came from, for its errors ("stdin line 3")
 
     def messages(self) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -94,13 +96,15 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
     """The job of one input line (None for a blank line); FtchatError for a bad one."""
     if not line.strip():
         return None
-    if not line.lstrip().startswith("{"):
-        return Job(line, settings.system)
     where = f"stdin line {lineno}"
+    if not line.lstrip().startswith("{"):
+        return Job(line, settings.system, source=where)
     try:
         obj = json.loads(line)
     except ValueError as e:
         raise FtchatError(f"{where}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise FtchatError(f"{where}: the JSON is nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise FtchatError(f"{where}: expected a JSON object")
     unknown = sorted(set(obj) - set(JSON_KEYS))
@@ -113,6 +117,10 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
             what = "empty" if key == "prompt" and isinstance(value, str) else None
             raise FtchatError(f"{where}: \"{key}\" is {what}: give a prompt with some text in it"
                               if what else f"{where}: \"{key}\" must be {JSON_KEYS[key]}")
+    for key in ("prompt", "system", "stop"):
+        texts = obj.get(key, [])
+        for text in [texts] if isinstance(texts, str) else texts:
+            check_unicode(text, f'{where}: "{key}"')
     stop = obj.get("stop")
     base = Sampling.from_settings(settings)
     temperature = obj.get("temperature", base.temperature)
@@ -125,7 +133,7 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
                                                      "repeat_penalty", "seed") if k in obj})
     return Job(obj["prompt"], obj.get("system", settings.system), obj.get("max_new_tokens"),
                None if stop is None else tuple([stop] if isinstance(stop, str) else stop),
-               sampling)
+               sampling, where)
 
 
 # ===== input as it arrives =====
@@ -255,8 +263,18 @@ def run_batch(session: Session, screen: Screen, jobs: JobReader, as_json: bool,
                     out.note(screen.err, f"error: {chunk[0].message}")
                     code = 1
                     continue
-                replies.run(chunk, chunk_no)
-                chunk_no += 1
+                # a prompt too long for the context (or one that renders to nothing) is that
+                # prompt's error: the prompts around it are still answered
+                for part in _encoded(session, chunk):
+                    if isinstance(part, BadLine):
+                        if not as_json:
+                            raise FtchatError(part.message)
+                        replies.error(part.message)
+                        out.note(screen.err, f"error: {part.message}")
+                        code = 1
+                        continue
+                    replies.run(*part, chunk_no)
+                    chunk_no += 1
         except KeyboardInterrupt:
             replies.interrupted()
             code = 130
@@ -265,6 +283,28 @@ def run_batch(session: Session, screen: Screen, jobs: JobReader, as_json: bool,
     if not session.settings.quiet:
         screen.note_parts(_batch_summary(replies.final, replies.chunk_of))
     return code
+
+
+def _encoded(session: Session, chunk: list[Job]
+             ) -> Iterator[tuple[list[Job], list[list[int]]] | BadLine]:
+    """The chunk's jobs with their prompt ids, in runs of good ones, and each job that cannot be
+    answered as a BadLine in its place."""
+    jobs: list[Job] = []
+    ids: list[list[int]] = []
+    for job in chunk:
+        try:
+            p = session.encode_messages(job.messages(), job.source)
+            session.check_prompt(len(p), job.source)
+        except FtchatError as e:
+            if jobs:
+                yield jobs, ids
+                jobs, ids = [], []
+            yield BadLine(str(e))
+            continue
+        jobs.append(job)
+        ids.append(p)
+    if jobs:
+        yield jobs, ids
 
 
 @dataclass
@@ -292,14 +332,14 @@ class _Replies:
         self.head = 0  # its first reply not fully written
         self.started = False  # some of current[0]'s text is written (plain)
 
-    def run(self, chunk: list[Job], chunk_no: int) -> None:
+    def run(self, chunk: list[Job], prompts: list[list[int]], chunk_no: int) -> None:
         s = self.session
         stops = [s.settings.stop if j.stop is None else j.stop for j in chunk]
         self.current = [_Reply(j, chunk_no, None if self.escape is None else
                                ReplyText(s.tokenizer, stop)) for j, stop in zip(chunk, stops)]
         self.head = 0
         records = s.generate_batch(
-            [s.encode_messages(j.messages()) for j in chunk],
+            prompts,
             [j.max_new_tokens or s.settings.max_new_tokens for j in chunk],
             stop_strings=stops, sampling=[j.sampling or Sampling.from_settings(s.settings)
                                           for j in chunk])
