@@ -29,7 +29,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
 from ftchat.cli_options import Force
-from ftchat.errors import FtchatError, Terminated
+from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.settings import resolve_one, resolve_settings
 
@@ -412,6 +412,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()  # a full disk or a closed pipe reported here, not at exit
     except Terminated as e:
         return _fail(f"stopped by {signal_name(e.signum)}", 128 + e.signum)
+    except StdoutError as e:  # /dev/full: what is still buffered must not fail again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        return _fail(str(e), 1)
     except FtchatError as e:
         return _fail(str(e), 1)
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
@@ -426,10 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`| head`): silence the final flush of stdout too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except OSError as e:
-        if e.filename is None and _stdout_failed():  # /dev/full, a closed or broken stdout
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            return _fail(f"cannot write to stdout: {e.strerror or e}", 1)
+    except OSError as e:  # a file the user named: one line naming it
         if os.environ.get("FTCHAT_DEBUG"):
             raise
         where = f"{e.filename}: " if e.filename is not None else ""
@@ -450,16 +450,6 @@ def _fail(message: str, code: int) -> int:
     except (OSError, ValueError):  # stderr gone too (a hung-up terminal): the status tells
         pass
     return code
-
-
-def _stdout_failed() -> bool:
-    """Whether stdout cannot take what is written to it (the failed data is still buffered)."""
-    try:
-        sys.stdout.flush()
-        os.fstat(sys.stdout.fileno())
-    except (OSError, ValueError):
-        return True
-    return False
 
 
 if __name__ == "__main__":

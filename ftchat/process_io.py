@@ -18,8 +18,9 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import TextIO
 
-from ftchat.errors import FtchatError, Terminated
+from ftchat.errors import FtchatError, StdoutError, Terminated
 
 STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP")
                      if hasattr(signal, name))
@@ -35,7 +36,8 @@ def _fd_open(fd: int) -> bool:
 
 def standard_streams() -> None:
     """Give a closed stdin or stderr /dev/null (stdin: no input; stderr: messages dropped, the
-    exit status still tells); refuse a closed stdout (FtchatError, written to stderr)."""
+    exit status still tells); refuse a closed stdout (FtchatError, written to stderr). The real
+    stdout becomes a `CheckedStdout`."""
     for fd, name, mode in ((0, "stdin", "r"), (2, "stderr", "w")):
         if not _fd_open(fd) or getattr(sys, name) is None:
             if not _fd_open(fd):
@@ -53,6 +55,35 @@ def standard_streams() -> None:
         sys.stdout = open(1, "w", encoding="utf-8", closefd=False)
         raise FtchatError("stdout is closed: ftchat writes its output there; redirect it to a "
                           "file or to /dev/null")
+    if sys.stdout is sys.__stdout__:  # the real one (tests capture theirs)
+        sys.stdout = CheckedStdout(sys.stdout)
+
+
+class CheckedStdout:
+    """The process's stdout, its write errors named: `StdoutError` instead of a bare OSError
+    (which could be any file's). A closed pipe stays BrokenPipeError."""
+
+    def __init__(self, stream: TextIO):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(f"cannot write to stdout: {e.strerror or e}") from None
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise StdoutError(f"cannot write to stdout: {e.strerror or e}") from None
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
 
 
 def _raise_terminated(signum: int, frame: FrameType | None) -> None:

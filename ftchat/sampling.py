@@ -24,6 +24,9 @@ from torch import Tensor
 REPEAT_WINDOW = 64  # tokens a repeat penalty looks back over (llama-cli's repeat_last_n)
 
 
+TOP_K_CAP = 2**31  # above any vocabulary size
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How one request chooses its tokens; the defaults are greedy decoding."""
@@ -70,7 +73,8 @@ class Sampler:
         self.temperature = torch.tensor([p.temperature for p in params], device=device)
         self.sampled = [p.temperature > 0 for p in params]
         self.any_sampled = any(self.sampled)
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        # a K past the vocabulary keeps every token, as 0 does: capped to fit an int64
+        self.top_k = torch.tensor([min(p.top_k, TOP_K_CAP) for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device)
         self.penalty = torch.tensor([p.repeat_penalty for p in params], device=device)
         self.penalized = any(p.repeat_penalty != 1 for p in params)

@@ -21,6 +21,7 @@ from ftchat.errors import FtchatError
 from ftchat.kernels.config import KernelConfig
 from ftchat.model.config import check_context
 from ftchat.model.expert_backend import ExpertBackend
+from ftchat.model.registry import load_args
 from ftchat.model.tokenizer import IM_END, StreamDecoder, Tokenizer, check_unicode
 from ftchat.offload.hooks import Hooks
 from ftchat.sampling import Sampler, Sampling
@@ -179,6 +180,7 @@ class Session:
         """
         device, dtype = settings.torch_device(), settings.torch_dtype()
         tokenizer = Tokenizer.from_folder(folder)  # cheap: fails before the weights load
+        tokenizer.check_vocab(load_args(folder).vocab_size, folder)
         model = engine.load_model(folder, str(device), dtype, progress,
                                   kernels=KernelConfig.from_settings(settings))
         hooks = watchers(model, settings)

@@ -258,6 +258,10 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
                           f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
                           f"first record {v.records[:1]}\n")
     why = failure(s)
+    if not as_json:  # the verdict, last: one line a reader (or a script) looks for
+        out.write(f"FAIL: {why}\n" if why else
+                  f"PASS: prefetch on matched off over {prompts} prompts x {max_new} tokens, "
+                  "no verifier record, no bad slot\n")
     if why:
         err.write(f"error: {why}\n")
     return 1 if why else 0

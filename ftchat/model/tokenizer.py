@@ -238,6 +238,15 @@ class Tokenizer:
         check_unicode(text, "the text")
         return self.backend.encode(text, add_special_tokens=False).ids
 
+    def check_vocab(self, vocab_size: int, folder: Path | str) -> None:
+        """Refuse a tokenizer whose ids reach past the model's vocabulary (the embedding rows
+        config.json's vocab_size gives): such an id would index past the table."""
+        top = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise ModelError(f"{Path(folder) / 'tokenizer.json'}: token ids go up to {top}, but "
+                             f"the model's vocabulary (config.json vocab_size) has {vocab_size}: "
+                             "the tokenizer does not belong to these weights")
+
     @functools.cached_property
     def max_token_bytes(self) -> int:
         """The UTF-8 length of the longest vocabulary entry: a text of B bytes is at least

@@ -128,7 +128,7 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     """`ftchat info`: the report, and the VRAM plan when a plan option is given (kv_given:
     --kv-cache-dtype was; kv_cache_dtype: the resolved setting, auto or fp8)."""
     for gib in vram or []:
-        if not gib > 0:
+        if not 0 < gib < float("inf"):  # nan and inf too
             raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
     for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
         if n is not None and n < 1:
