@@ -302,8 +302,10 @@ def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int]
     t0 = _now(m.device, sync=False)
     while True:
         picked = logits.argmax(-1) if choose is None else choose(logits)  # [B] greedy or drawn
-        # a row whose logits hold NaN or Inf reads back as -1: found with the same sync
-        picked = torch.where(torch.isfinite(logits).all(-1), picked, -1)
+        # a row whose logits hold NaN or +Inf reads back as -1: found with the same sync (a
+        # -inf logit is a token ruled out, not a fault)
+        broken = (logits.isnan() | logits.isposinf()).any(-1)  # [B]
+        picked = torch.where(broken, -1, picked)
         tokens = picked.tolist()  # SYNC: the chosen tokens go to the host
         active = [not d for d in done]
         if any(t < 0 and a for t, a in zip(tokens, active)):
