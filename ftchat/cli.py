@@ -28,7 +28,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 PrefillChunk, Prefetch, Prompt, PromptFile, Quiet,
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
-from ftchat.cli_options import Force
+from ftchat.cli_options import Force, Think
 from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.settings import resolve_one, resolve_settings
@@ -98,7 +98,7 @@ def run(
     max_new_tokens: MaxNew = None, system: System = None, temp: Temp = None, top_k: TopK = None,
     top_p: TopP = None, repeat_penalty: RepeatPenalty = None, seed: Seed = None,
     stop: Stop = None, json: Json = None, batch_size: BatchSize = None, quiet: Quiet = None,
-    panel: Panel = None,
+    panel: Panel = None, think: Think = None,
     context: Context = None, prefill_chunk: PrefillChunk = None, device: Device = None,
     dtype: Dtype = None, kv_cache_dtype: KvCacheDtype = None, threads: Threads = None,
     slots: Slots = None, expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
@@ -125,7 +125,7 @@ def run(
         prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
         candidates=candidates, eviction=eviction, overlap=overlap, copy_programs=copy_programs,
         verify=verify, audit_every=audit_every, audit=audit, record_routing=record_routing,
-        force=force,
+        force=force, think=think,
     ), os.environ)
     from ftchat.ui.run import run as run_ui
 

@@ -55,6 +55,10 @@ BatchSize = Annotated[int | None, typer.Option(
 Quiet = Annotated[bool | None, typer.Option(
     "--quiet", "-q", metavar="", rich_help_panel=GEN,
     help="No banner, loading bar or timing lines")]
+Think = Annotated[bool | None, typer.Option(
+    "--think/--no-think", metavar="", rich_help_panel=GEN,
+    help="Reason before answering, or not: the chat template's enable_thinking switch "
+    "(default: the template's)")]
 Panel = Annotated[bool | None, typer.Option(
     "--panel/--no-panel", metavar="", rich_help_panel=GEN,
     help="Live panel on stderr (default: when a terminal)")]

@@ -181,6 +181,10 @@ class Session:
         device, dtype = settings.torch_device(), settings.torch_dtype()
         tokenizer = Tokenizer.from_folder(folder)  # cheap: fails before the weights load
         tokenizer.check_vocab(load_args(folder).vocab_size, folder)
+        if settings.think is not None and not tokenizer.thinking_switch:
+            flag = "--think" if settings.think else "--no-think"
+            raise FtchatError(f"{flag}: the chat template of {folder} has no thinking switch "
+                              "(enable_thinking); drop the flag")
         model = engine.load_model(folder, str(device), dtype, progress,
                                   kernels=KernelConfig.from_settings(settings))
         hooks = watchers(model, settings)
@@ -232,7 +236,9 @@ class Session:
         """Token ids of `messages` rendered with the chat template, assistant turn opened.
         A text too long for the context by its byte count alone is refused before it is
         tokenized (`what` names it in the error)."""
-        return self._encode(self.tokenizer.render_chat(self._checked(messages, what)), what)
+        text = self.tokenizer.render_chat(self._checked(messages, what),
+                                          enable_thinking=self.settings.think)
+        return self._encode(text, what)
 
     def turn_ids(self, user: str, system: str | None = None) -> list[int]:
         """Ids of the next chat turn: the whole first prompt, then only the new user turn."""
@@ -240,7 +246,7 @@ class Session:
             sys_msg = [{"role": "system", "content": system}] if system else []
             return self.encode_messages([*sys_msg, {"role": "user", "content": user}])
         user_msg = self._checked([{"role": "user", "content": user}], "the message")
-        turn = self.tokenizer.render_chat(user_msg)
+        turn = self.tokenizer.render_chat(user_msg, enable_thinking=self.settings.think)
         return self._encode(TURN_SEPARATOR + turn, "the message")
 
     def _checked(self, messages: list[dict], what: str) -> list[dict]:

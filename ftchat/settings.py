@@ -69,6 +69,7 @@ class Settings:
     copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
     record_routing: str | None = None
     force: bool = False  # an output file (--record-routing) may replace an existing file
+    think: bool | None = None  # the chat template's thinking switch; None: the template's default
     panel: bool | None = None  # None: on when stderr is a terminal
     json: bool = False
     system: str | None = None
@@ -314,6 +315,7 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
                       _copy_programs_env),
     "record_routing": ("record_routing", "--record-routing", _text, None, None),
     "force": ("force", "--force", _bool, None, None),
+    "think": ("think", "--think", _bool, None, None),
     "panel": ("panel", "--panel", _bool, None, None),
     "json": ("json", "--json", _bool, None, None),
     "system": ("system", "--system", _unicode_text, None, None),

@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from ftchat.cli import main
 from ftchat.commands.bench_ui import bench_contexts
 from ftchat.model.synth import write_checkpoint
+from ftchat.ui.text import split_reasoning
 
 CLI = [sys.executable, "-m", "ftchat.cli"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -488,3 +489,96 @@ def test_help_fits_80_columns(command):
     assert p.returncode == 0 and p.stderr == "", p.stderr
     lines = p.stdout.splitlines()
     assert len(lines) > 5 and max(len(ln) for ln in lines) <= 80
+
+
+# ===== thinking =====
+
+
+def test_split_reasoning():
+    assert split_reasoning("plan it\n</think>\n\nthe answer") == ("plan it", "the answer")
+    assert split_reasoning("<think>\nplan\n</think>\n\nx") == ("plan", "x")
+    assert split_reasoning("</think>\n\n</think>\n\ncode") == ("", "code")  # the demo's habit
+    assert split_reasoning("no block at all") == ("", "no block at all")
+    assert split_reasoning("a</think>b</think>c") == ("a", "b</think>c")  # only leading repeats
+
+
+def test_think_switch(tiny_bf16, tmp_path, capsys, monkeypatch):
+    counts = {}
+    for flag in ("--think", "--no-think"):
+        code, out, err = _main(["run", tiny_bf16, "-p", "hi", "-n", "2", "--json", flag], capsys,
+                               monkeypatch)
+        assert code == 0, err
+        counts[flag] = json.loads(out)["prompt_tokens"]
+    # the template closes an empty think block in the prompt: "<think>\n" becomes
+    # "<think>\n\n</think>\n\n"
+    assert counts["--no-think"] > counts["--think"]
+    model = copy_model(tiny_bf16, tmp_path / "ck")
+    cfg_file = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+                            "<|im_end|>\n{% endfor %}<|im_start|>assistant\n")
+    cfg_file.write_text(json.dumps(cfg))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2", "--no-think"], capsys,
+                           monkeypatch)
+    clean_error(code, err, "--no-think", "no thinking switch")
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    assert code == 0, err  # control: the same template without the flag
+
+
+# ===== install =====
+
+
+def _third_party_imports() -> dict[str, str]:
+    """Top-level package -> a module of ftchat importing it, for every import outside the
+    standard library and ftchat, except inside a `try` that handles ImportError."""
+    import ast
+
+    found: dict[str, str] = {}
+    for path in sorted((ROOT / "ftchat").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        guarded = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Try) and any(
+                    isinstance(h.type, ast.Name) and h.type.id in ("ImportError",
+                                                                   "ModuleNotFoundError")
+                    for h in node.handlers):
+                guarded |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+        for node in ast.walk(tree):
+            if id(node) in guarded:
+                continue
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top != "ftchat" and top not in sys.stdlib_module_names:
+                    found.setdefault(top, str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_imported_package_is_declared():
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    declared = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("-", "_")
+                for d in deps}
+    imported = _third_party_imports()
+    assert "numpy" in imported and "torch" in imported  # the scan sees real imports
+    missing = {pkg: where for pkg, where in imported.items() if pkg.lower() not in declared}
+    assert missing == {}, missing
+
+
+def test_every_module_imports():
+    import importlib
+    import pkgutil
+
+    import ftchat
+
+    names = [m.name for m in pkgutil.walk_packages(ftchat.__path__, "ftchat.")]
+    assert len(names) > 50
+    for name in names:
+        importlib.import_module(name)

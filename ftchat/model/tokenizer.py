@@ -205,6 +205,7 @@ class Tokenizer:
         self.template_vars = template_vars  # the set special-token strings, as transformers passes
         self.special_ids = special_ids  # every added token (content -> id), think tags included
         self.eos_ids = eos_ids  # generation stops on any of these
+        self.thinking_switch = True  # the template reads enable_thinking (from_folder checks)
 
     @classmethod
     def from_folder(cls, folder: Path | str) -> Tokenizer:
@@ -230,8 +231,10 @@ class Tokenizer:
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             if (value := _token_str(config.get(name))) is not None:
                 template_vars[name] = value
-        template = _compile_template(folder, config)
-        return cls(backend, template, template_vars, special_ids, eos_ids)
+        template, source = _compile_template(folder, config)
+        tok = cls(backend, template, template_vars, special_ids, eos_ids)
+        tok.thinking_switch = "enable_thinking" in source
+        return tok
 
     def encode(self, text: str) -> list[int]:
         # Special tokens written in the text (e.g. a rendered prompt) encode as their ids; no BOS.
@@ -319,7 +322,7 @@ def _token_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _compile_template(folder: Path, config: dict) -> jinja2.Template:
+def _compile_template(folder: Path, config: dict) -> tuple[jinja2.Template, str]:
     # As transformers: chat_template.jinja wins over the tokenizer_config entry.
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.exists():
@@ -334,7 +337,7 @@ def _compile_template(folder: Path, config: dict) -> jinja2.Template:
         raise ModelError(f"{origin}: the chat_template is empty; restore the model's template "
                          "(it turns messages into the prompt)")
     try:
-        return _jinja_env().from_string(source)
+        return _jinja_env().from_string(source), source
     except jinja2.TemplateError as exc:
         raise ModelError(f"bad chat_template in {origin}: {exc}") from exc
 

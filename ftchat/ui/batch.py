@@ -30,7 +30,7 @@ from ftchat.sampling import Sampling
 from ftchat.session import Session, StepRecord, StopText
 from ftchat.settings import Settings
 from ftchat.ui.panel import PanelWriter, PlainWriter, Screen, isatty, timing_parts
-from ftchat.ui.text import ReplyText, one_line, plural, printable
+from ftchat.ui.text import ReplyText, one_line, plural, printable, split_reasoning
 
 # key -> what its value must be (for the messages); "prompt" is the only required key
 JSON_KEYS = {
@@ -393,17 +393,22 @@ class _Replies:
 
 def json_reply(session: Session, index: int, rec: StepRecord, tokens: list[int],
                job: Job | None = None) -> str:
-    """One reply as a JSON object: index, text (exact: think block kept, cut before a stop
-    string), tokens (every generated id, the stop token included), stop, prompt_tokens,
+    """One reply as a JSON object: index, text (the answer: after the think block, cut before a
+    stop string), reasoning (the think block's text, "" when there is none), tokens (every
+    generated id, the stop token included: the exact reply), stop, prompt_tokens,
     timings, offload figures, peak VRAM, and the seed when it was sampled."""
     stops = session.settings.stop if job is None or job.stop is None else job.stop
     text_ids = tokens[:-1] if rec.stop == "eos" else tokens
     f = rec.figures
     decode_tps = (rec.n - 1) / rec.decode_s if rec.decode_s > 0 else None
     prefill_tps = rec.prompt_tokens / rec.prefill_s if rec.prefill_s > 0 else None
+    reply = StopText.cut(session.tokenizer.decode(text_ids), stops)
+    reasoning, answer = ("", reply) if session.settings.think is False else \
+        split_reasoning(reply)
     obj = {
         "index": index,
-        "text": StopText.cut(session.tokenizer.decode(text_ids), stops),
+        "text": answer,
+        "reasoning": reasoning,
         "tokens": tokens,
         "stop": rec.stop,
         "prompt_tokens": rec.prompt_tokens,
