@@ -582,3 +582,25 @@ def test_every_module_imports():
     assert len(names) > 50
     for name in names:
         importlib.import_module(name)
+
+
+def test_verify_tokens_beyond_the_models_positions(tiny_bf16, capsys, monkeypatch):
+    code, out, err = _main(["verify", tiny_bf16, "--prompts", "1", "-n", "100000"], capsys,
+                           monkeypatch)
+    clean_error(code, err, "--max-new-tokens 100000", "4096 positions")  # before: ran for hours
+
+
+def test_verify_ends_with_one_verdict_line(tiny_bf16, capsys, monkeypatch):
+    code, out, err = _main(["verify", tiny_bf16, "--prompts", "1", "-n", "4"], capsys,
+                           monkeypatch)
+    assert code == 0, err
+    assert out.splitlines()[-1].startswith("PASS: prefetch on matched off over 1 prompts")
+
+
+def test_verify_that_fails_ends_with_a_fail_line(tiny_bf16, capsys, monkeypatch):
+    from ftchat.debug.slot_audit import SlotAudit
+
+    monkeypatch.setattr(SlotAudit, "audit", lambda self, view: None)  # the check never runs
+    code, out, err = _main(["verify", tiny_bf16, "--prompts", "1", "-n", "4"], capsys,
+                           monkeypatch)
+    assert code == 1 and out.splitlines()[-1] == "FAIL: no slot audit ran", out

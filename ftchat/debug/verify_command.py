@@ -148,6 +148,11 @@ def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings:
     on_settings = base if base.prefetch == "on" else dataclasses.replace(base, prefetch="on")
     S = num_slots(m, on_settings)
     prompts = [encode(text) for text in cold_prompts(n, seed)]
+    longest = max(map(len, prompts))
+    if longest + max_new + 1 > a.max_position_embeddings:
+        raise FtchatError(f"--max-new-tokens {max_new}: with prompts of up to {longest} tokens "
+                          f"it exceeds the model's {a.max_position_embeddings} positions; give "
+                          f"{max(a.max_position_embeddings - longest - 1, 1)} or less")
     graphs = None
     if settings.graph is True:
         if m.device.type not in GRAPH_DEVICES:
