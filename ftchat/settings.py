@@ -149,21 +149,27 @@ def context_tokens(text: str) -> int:
     return n
 
 
-def _int(minimum: int) -> Callable[[object, str], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[object, str], int]:
     expected = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
+    if maximum is not None:
+        expected = f"an integer from {minimum} to {maximum:,}"
 
     def parse(value: object, where: str) -> int:
         if isinstance(value, bool):
             raise _fail(where, value, expected)
         try:
             n = int(value.strip()) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise _fail(where, value, expected) from None
-        if n < minimum or (isinstance(value, float) and value != n):
+        if n < minimum or (isinstance(value, float) and value != n) or (
+                maximum is not None and n > maximum):
             raise _fail(where, value, expected)
         return n
 
     return parse
+
+
+MAX_BATCH = 4096  # --batch-size: sequences decoded together (each holds a whole decode state)
 
 
 def _choice(literal) -> Callable[[object, str], str]:
@@ -178,13 +184,17 @@ def _choice(literal) -> Callable[[object, str], str]:
     return parse
 
 
+MAX_GIB = 1 << 20  # a GiB figure past this (a PiB) is a typo, and its bytes overflow floats
+
+
 def _positive_float(value: object, where: str) -> float:
+    expected = f"a positive number of GiB, at most {MAX_GIB:,}"
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise _fail(where, value, "a positive number of GiB") from None
-    if not x > 0 or x == float("inf"):
-        raise _fail(where, value, "a positive number of GiB")
+        raise _fail(where, value, expected) from None
+    if not 0 < x <= MAX_GIB:  # nan and inf too
+        raise _fail(where, value, expected)
     return x
 
 
@@ -300,7 +310,7 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "overlap": ("overlap", "--overlap", _bool, None, None),
     "graph": ("graph", "--graph", _bool, None, None),
     "max_new_tokens": ("max_new_tokens", "--max-new-tokens", _int(1), None, None),
-    "batch_size": ("batch_size", "--batch-size", _int(1), None, None),
+    "batch_size": ("batch_size", "--batch-size", _int(1, MAX_BATCH), None, None),
     "context": ("context", "--context", _int(1), None, None),
     "prefill_chunk": ("prefill_chunk", "--prefill-chunk", _int(1), None, None),
     "device": ("device", "--device", _choice(DeviceName), None, None),

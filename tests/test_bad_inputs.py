@@ -246,6 +246,17 @@ def test_vram_not_a_finite_number(tiny_bf16, capsys, monkeypatch, argv, named):
     clean_error(code, err, named)
 
 
+@pytest.mark.parametrize("argv, named", [
+    (["run", "-p", "hi", "--expert-vram", "1e300"], "--expert-vram"),  # its bytes overflow
+    (["run", "-p", "hi", "--batch-size", "100000000"], "--batch-size 100000000"),
+    (["run", "-p", "hi", "--prefetch", "on", "--budget", "1000000000"], "--budget-gdn"),
+    (["info", "--batch-size", "99999999999"], "--batch-size 99999999999"),  # MemoryError
+])
+def test_numbers_out_of_range(tiny_bf16, capsys, monkeypatch, argv, named):
+    code, out, err = _main([argv[0], tiny_bf16, *argv[1:]], capsys, monkeypatch)
+    clean_error(code, err, named)
+
+
 def test_graph_on_the_cpu(tiny_bf16, capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("--graph is refused only where there is no CUDA device")

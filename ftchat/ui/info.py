@@ -20,7 +20,7 @@ from ftchat.errors import FtchatError, ModelError
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
 from ftchat.resolve import resolve_model
-from ftchat.settings import context_tokens
+from ftchat.settings import MAX_BATCH, context_tokens
 from ftchat.sizes import PREFILL_CHUNK
 from ftchat.vram import search
 from ftchat.vram.items import GIB, Workload
@@ -133,6 +133,8 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
         if n is not None and n < 1:
             raise FtchatError(f"{flag} {n}: expected a positive integer")
+    if batch is not None and batch > MAX_BATCH:
+        raise FtchatError(f"--batch-size {batch}: expected 1 to {MAX_BATCH:,}")
     if synthetic is not None and model is not None:
         raise FtchatError("give MODEL or --synthetic, not both")
     if synthetic is None and (layers is not None or dense != "bf16"):
