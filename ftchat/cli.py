@@ -31,6 +31,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
 from ftchat.cli_options import Force, Think
 from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
+from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.settings import resolve_one, resolve_settings
 
 
@@ -135,7 +136,13 @@ def run(
 def _read_prompt_file(path: Path) -> str:
     where = f"--file {path}"
     try:
-        data = path.read_bytes()
+        if path.is_char_device() or path.is_block_device():  # /dev/zero would never end
+            raise FtchatError(f"{where}: is a device, not a file")
+        with path.open("rb") as f:
+            data = f.read(MAX_LINE_BYTES + 1)  # a FIFO (`-f <(cmd)`) is read to its end
+        if len(data) > MAX_LINE_BYTES:
+            raise FtchatError(f"{where}: larger than {MAX_LINE_BYTES >> 20} MiB, more than "
+                              "any context holds")
     except FileNotFoundError:
         raise FtchatError(f"{where}: no such file") from None
     except IsADirectoryError:

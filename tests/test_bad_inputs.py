@@ -375,6 +375,15 @@ def test_a_fifo_in_the_model_folder(tiny_bf16, tmp_path):
     clean_error(p.returncode, p.stderr, "generation_config.json", "not a regular file")
 
 
+def test_endless_input_without_a_line_break(tiny_bf16, capsys, monkeypatch):
+    with open("/dev/zero", "rb") as zero:  # before: read into memory until it ran out
+        p = subprocess.run([*CLI, "run", str(tiny_bf16), "-n", "2"], env=child_env(),
+                           stdin=zero, capture_output=True, text=True, timeout=120)
+    clean_error(p.returncode, p.stderr, "stdin line 1 is longer than 256 MiB")
+    code, out, err = _main(["run", tiny_bf16, "-f", "/dev/zero"], capsys, monkeypatch)
+    clean_error(code, err, "--file /dev/zero", "a device")
+
+
 # ===== checkpoints checked at load =====
 
 

@@ -29,6 +29,7 @@ from ftchat.model.tokenizer import check_unicode
 from ftchat.sampling import Sampling
 from ftchat.session import Session, StepRecord, StopText
 from ftchat.settings import Settings
+from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.ui.panel import PanelWriter, PlainWriter, Screen, isatty, timing_parts
 from ftchat.ui.text import ReplyText, one_line, plural, printable, split_reasoning
 
@@ -151,17 +152,25 @@ class LineSource:
             self.fd: int | None = raw.fileno()
         except (AttributeError, OSError, ValueError):
             self.fd = None
-        self.buf, self.eof, self.lineno = b"", False, 0
+        # bytearray: appends and cuts from the front in place (a bytes buffer was copied whole
+        # per chunk and per line: quadratic on a long input)
+        self.buf, self.eof, self.lineno = bytearray(), False, 0
+        self.scanned = 0  # buf[:scanned] holds no newline
         if self.fd is None:
             data = raw.read()
-            self.buf, self.eof = data.encode() if isinstance(data, str) else data, True
+            self.buf = bytearray(data.encode() if isinstance(data, str) else data)
+            self.eof = True
 
     def _read(self, wait: bool) -> bool:
         """Append one chunk of what stdin holds (wait: block until one comes or EOF); False if
         nothing was there."""
         if self.eof or (not wait and not select.select([self.fd], [], [], 0)[0]):
             return False
-        chunk = os.read(self.fd, 1 << 16)
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except OSError as e:  # a folder or a device given as stdin
+            raise FtchatError(f"cannot read stdin ({e.strerror or e}): pipe prompts into it, "
+                              "one per line") from None
         self.eof = not chunk
         self.buf += chunk
         return True
@@ -169,12 +178,20 @@ class LineSource:
     def next(self, wait: bool) -> str | None | object:
         """The next line (without its newline); PENDING if wait is False and none has arrived
         whole; None at the end of the input."""
-        while b"\n" not in self.buf and not self.eof:
+        while (end := self.buf.find(b"\n", self.scanned)) < 0 and not self.eof:
+            self.scanned = len(self.buf)
+            if len(self.buf) > MAX_LINE_BYTES:  # /dev/zero, or a file with no line breaks:
+                self.buf, self.eof = bytearray(), True  # the input ends here
+                raise FtchatError(f"stdin line {self.lineno + 1} is longer than "
+                                  f"{MAX_LINE_BYTES >> 20} MiB: one prompt per line")
             if not self._read(wait):
                 return PENDING
         if not self.buf and self.eof:
             return None
-        line, _, self.buf = self.buf.partition(b"\n")
+        end = len(self.buf) if end < 0 else end
+        line = bytes(self.buf[:end])
+        del self.buf[:end + 1]
+        self.scanned = 0
         self.lineno += 1
         try:
             text = line.decode("utf-8")
