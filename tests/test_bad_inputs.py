@@ -13,6 +13,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from ftchat.model.synth import write_checkpoint
 from ftchat.ui.text import split_reasoning
 
 CLI = [sys.executable, "-m", "ftchat.cli"]
+ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]")
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -499,6 +501,32 @@ def test_closed_stderr_keeps_errors_out_of_stdout(tiny_bf16):
     clean_error(p.returncode, p.stderr, "--threads 0")  # control: stderr open, it is there
 
 
+# ===== at 80 columns =====
+
+
+@pytest.mark.parametrize("columns", [80, 200])
+def test_the_banner_wraps_at_the_terminals_width(columns):
+    """The demo notice and the load line: between words, within the width (200: the control,
+    where the notice is one line of more than 80 columns)."""
+    child = pexpect.spawn(sys.executable, [*CLI[1:], "run", "--threads", "1", "--no-panel"],
+                          env=child_env(TERM="xterm"), encoding="utf-8", timeout=90,
+                          dimensions=(40, columns))
+    try:
+        child.expect_exact(">>> ")
+        banner = ANSI.sub("", child.before)
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    # each line as the screen shows it (its last carriage-return segment), the bar left out
+    shown = [ln.split("\r")[-1] if ln.split("\r")[-1] else ln.split("\r")[0]
+             for ln in banner.split("\r\n")]
+    lines = [ln for ln in shown if ln.strip() and "━" not in ln]
+    assert lines[0].startswith("demo model:") and any("loaded in" in ln for ln in lines)
+    widest = max(len(ln) for ln in lines)
+    assert widest <= 80 if columns == 80 else widest > 80, lines
+
+
 # ===== help =====
 
 
@@ -580,7 +608,6 @@ def _third_party_imports() -> dict[str, str]:
 
 
 def test_every_imported_package_is_declared():
-    import re
     import tomllib
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]

@@ -110,7 +110,7 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
     settings = plan_run(resolved, settings)
     quiet = settings.quiet
     if resolved.demo and not quiet:
-        screen.note(demo_notice(resolved.path))
+        screen.note_words(demo_notice(resolved.path))
     t = time.perf_counter()
     with progress_bar(None if quiet else screen.err, "loading") as progress:
         session = Session.open(resolved.path, settings, progress)
@@ -122,5 +122,5 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
             screen.note("ftchat: warming up (compiling kernels, capturing the decode graph)")
         loaded += f", warmed up in {session.warm_up(None if interactive else 1):.1f} s"
     if not quiet:
-        screen.note(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
+        screen.note_words(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
     return session
