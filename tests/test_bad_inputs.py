@@ -308,6 +308,22 @@ def test_bench_without_a_context_runs_on_the_demo_model(capsys, monkeypatch):
     assert code == 0 and "context 4090" in out, err  # 4096 - (1 + 1) x 2 - 2
 
 
+def test_bench_shows_its_rounds_on_a_terminal_only(tiny_bf16):
+    argv = ["bench", str(tiny_bf16), "--steps", "2", "--rounds", "2", "--arms", "off",
+            "--threads", "1"]
+    child = pexpect.spawn(sys.executable, [*CLI[1:], *argv], env=child_env(TERM="xterm"),
+                          encoding="utf-8", timeout=90, dimensions=(40, 120))
+    try:
+        child.expect(pexpect.EOF)
+        drawn = ANSI.sub("", child.before)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0 and "context 4088: rounds" in drawn, drawn
+    p = subprocess.run([*CLI, *argv], env=child_env(), capture_output=True, text=True,
+                       timeout=120)  # control: stderr a pipe, no bar
+    assert p.returncode == 0 and "rounds" not in p.stderr, p.stderr
+
+
 # ===== bad text =====
 
 

@@ -78,7 +78,9 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
     arm_specs = {name: _arm_pinned(spec, plan) for name, spec in arm_specs.items()}
     res = {}
     for ctx in ctxs:
-        res[ctx] = bench_context(m, arm_specs, ctx, settings, steps, rounds)
+        with progress_bar(err, f"context {ctx}:") as bar:  # on a terminal only
+            res[ctx] = bench_context(m, arm_specs, ctx, settings, steps, rounds,
+                                     progress=lambda i, n: bar("rounds", i, n))
         if not as_json:
             _print_context(out, ctx, res[ctx], steps, rounds)
     if as_json:
