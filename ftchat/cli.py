@@ -28,7 +28,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 PrefillChunk, Prefetch, Prompt, PromptFile, Quiet,
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
-from ftchat.cli_options import Force, Think
+from ftchat.cli_options import Force, MinP, Think
 from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.sizes import MAX_LINE_BYTES
@@ -83,11 +83,12 @@ RUN_HELP = "\n\n".join((
     "prompt it quits. Keys typed while a reply streams wait for the next prompt.",
     "Piped input: one prompt per line, blank lines skipped; a line starting with { is a JSON "
     'object: "prompt" (required), and optionally "system", "max_new_tokens", "stop" (a string '
-    'or a list), "temperature", "top_k", "top_p", "repeat_penalty", "seed". Each prompt is '
-    "answered as it arrives (up to --batch-size waiting prompts decode together), one reply per "
-    "line with control characters escaped; --json writes one object per reply: index, text, "
-    "tokens, stop (eos, length, context, stop_string or interrupted), prompt_tokens, timings, "
-    "offload, vram_peak_bytes, and seed when sampled. A bad JSON line is an object with "
+    'or a list), "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed". Each '
+    "prompt is answered as it arrives (up to --batch-size waiting prompts decode together), one "
+    "reply per line with control characters escaped; --json writes one object per reply: index, "
+    "text (the answer), reasoning (the think block), tokens, stop (eos, length, context, "
+    "stop_string or interrupted), prompt_tokens, timings, offload, vram_peak_bytes, and seed "
+    "when sampled. A bad JSON line is an object with "
     '"error" under --json, else an error that stops the run.',
     "Decoding is greedy unless --temp is above 0.",
 ))
@@ -99,7 +100,7 @@ def run(
     max_new_tokens: MaxNew = None, system: System = None, temp: Temp = None, top_k: TopK = None,
     top_p: TopP = None, repeat_penalty: RepeatPenalty = None, seed: Seed = None,
     stop: Stop = None, json: Json = None, batch_size: BatchSize = None, quiet: Quiet = None,
-    panel: Panel = None, think: Think = None,
+    panel: Panel = None, think: Think = None, min_p: MinP = None,
     context: Context = None, prefill_chunk: PrefillChunk = None, device: Device = None,
     dtype: Dtype = None, kv_cache_dtype: KvCacheDtype = None, threads: Threads = None,
     slots: Slots = None, expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
@@ -126,7 +127,7 @@ def run(
         prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
         candidates=candidates, eviction=eviction, overlap=overlap, copy_programs=copy_programs,
         verify=verify, audit_every=audit_every, audit=audit, record_routing=record_routing,
-        force=force, think=think,
+        force=force, think=think, min_p=min_p,
     ), os.environ)
     from ftchat.ui.run import run as run_ui
 

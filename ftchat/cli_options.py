@@ -40,6 +40,9 @@ TopK = Annotated[int | None, typer.Option(
 TopP = Annotated[float | None, typer.Option(
     metavar="P", rich_help_panel=GEN,
     help="Sample from the likeliest tokens holding mass P (1: off)")]
+MinP = Annotated[float | None, typer.Option(
+    "--min-p", metavar="P", rich_help_panel=GEN,
+    help="Sample only tokens at least P times as likely as the likeliest (0: off)")]
 RepeatPenalty = Annotated[float | None, typer.Option(
     metavar="X", rich_help_panel=GEN,
     help="Penalize the last 64 tokens' ids by X (1: off; also when greedy)")]

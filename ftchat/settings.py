@@ -82,6 +82,7 @@ class Settings:
     top_k: int = 0  # 0: every token
     top_p: float = 1.0  # 1: every token
     repeat_penalty: float = 1.0  # 1: none
+    min_p: float = 0.0  # 0: off
     seed: int | None = None  # None: a random seed per request
 
     def torch_device(self) -> torch.device:
@@ -217,6 +218,7 @@ def _number(low: float, high: float = float("inf"), low_open: bool = False,
 
 TEMPERATURE = _number(0.0, expected="a number >= 0 (0: greedy)")
 TOP_P = _number(0.0, 1.0, low_open=True, expected="a number above 0 and at most 1")
+MIN_P = _number(0.0, 1.0, expected="a number from 0 to 1 (0: off)")
 REPEAT_PENALTY = _number(0.0, low_open=True, expected="a positive number (1: no penalty)")
 
 
@@ -337,6 +339,7 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "top_k": ("top_k", "--top-k", _int(0), None, None),
     "top_p": ("top_p", "--top-p", TOP_P, None, None),
     "repeat_penalty": ("repeat_penalty", "--repeat-penalty", REPEAT_PENALTY, None, None),
+    "min_p": ("min_p", "--min-p", MIN_P, None, None),
     "seed": ("seed", "--seed", _seed, None, None),
 }
 
@@ -378,7 +381,7 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
         raise SettingsError("--slots and --expert-vram are exclusive: give one of them")
     if not values.get("temperature"):
         for field, flag, off in (("top_k", "--top-k", 0), ("top_p", "--top-p", 1.0),
-                                 ("seed", "--seed", None)):
+                                 ("min_p", "--min-p", 0.0), ("seed", "--seed", None)):
             if values.get(field, off) != off:
                 raise SettingsError(f"{flag} applies to sampling: give --temp above 0 too "
                                     "(decoding is greedy by default)")

@@ -667,3 +667,25 @@ def test_verify_that_fails_ends_with_a_fail_line(tiny_bf16, capsys, monkeypatch)
     code, out, err = _main(["verify", tiny_bf16, "--prompts", "1", "-n", "4"], capsys,
                            monkeypatch)
     assert code == 1 and out.splitlines()[-1] == "FAIL: no slot audit ran", out
+
+
+# ===== min-p =====
+
+
+def test_min_p(tiny_bf16, capsys, monkeypatch):
+    """min_p 1 keeps only the likeliest token: a sampled reply is then the greedy one, whatever
+    the seed (control: min_p 0 at temperature 5 strays from it)."""
+    def tokens(*flags):
+        code, out, err = _main(["run", tiny_bf16, "-p", "hi", "-n", "8", "--json", *flags],
+                               capsys, monkeypatch)
+        assert code == 0, err
+        return json.loads(out)["tokens"]
+
+    greedy = tokens()
+    assert tokens("--temp", "5", "--seed", "1", "--min-p", "1") == greedy
+    assert tokens("--temp", "5", "--seed", "1", "--min-p", "0") != greedy
+    code, out, err = _main(["run", tiny_bf16, "-p", "hi", "--min-p", "0.1"], capsys, monkeypatch)
+    clean_error(code, err, "--min-p applies to sampling")
+    code, out, err = _main(["run", tiny_bf16, "-p", "hi", "--temp", "1", "--min-p", "2"], capsys,
+                           monkeypatch)
+    clean_error(code, err, "--min-p 2.0", "0 to 1")

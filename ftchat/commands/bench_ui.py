@@ -51,8 +51,8 @@ class Synthetic:
 
 
 def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
-              contexts: str | None, steps: int, rounds: int, as_json: bool, out: TextIO, err: TextIO,
-              synthetic: Synthetic | None = None) -> int:
+              contexts: str | None, steps: int, rounds: int, as_json: bool, out: TextIO,
+              err: TextIO, synthetic: Synthetic | None = None) -> int:
     """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
     if steps < 1 or rounds < 1:
         raise FtchatError("--steps and --rounds must be >= 1")

@@ -43,6 +43,7 @@ JSON_KEYS = {
     "top_k": "an integer >= 0 (0: off)",
     "top_p": "a number above 0 and at most 1",
     "repeat_penalty": "a positive number (1: no penalty)",
+    "min_p": "a number from 0 to 1 (0: off)",
     "seed": "an integer from 0 to 2**63 - 1",
 }
 
@@ -66,6 +67,7 @@ _VALID: dict[str, Callable[[object], bool]] = {
     "top_k": lambda v: _integer(v) and v >= 0,
     "top_p": lambda v: _number(v) and 0 < v <= 1,
     "repeat_penalty": lambda v: _number(v) and v > 0,
+    "min_p": lambda v: _number(v) and 0 <= v <= 1,
     "seed": lambda v: _integer(v) and 0 <= v < 2**63,
 }
 
@@ -126,11 +128,11 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
     base = Sampling.from_settings(settings)
     temperature = obj.get("temperature", base.temperature)
     if not temperature:
-        for key, off in (("top_k", 0), ("top_p", 1), ("seed", None)):
+        for key, off in (("top_k", 0), ("top_p", 1), ("min_p", 0), ("seed", None)):
             if obj.get(key, off) != off:
                 raise FtchatError(f"{where}: \"{key}\" applies to sampling: give \"temperature\" "
                                   "above 0 too (decoding is greedy by default)")
-    sampling = replace(base, **{k: obj[k] for k in ("temperature", "top_k", "top_p",
+    sampling = replace(base, **{k: obj[k] for k in ("temperature", "top_k", "top_p", "min_p",
                                                      "repeat_penalty", "seed") if k in obj})
     return Job(obj["prompt"], obj.get("system", settings.system), obj.get("max_new_tokens"),
                None if stop is None else tuple([stop] if isinstance(stop, str) else stop),
