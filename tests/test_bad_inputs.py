@@ -199,6 +199,29 @@ def test_a_signal_during_a_chat_reply_restores_the_terminal(endless, tmp_path, s
     assert child.signalstatus is None and child.exitstatus == 128 + getattr(signal, sig)
 
 
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_signal_at_the_chat_prompt_restores_the_terminal(endless, sig):
+    """At the prompt the line editor has echo and line mode off; SIGTERM unwinds through it
+    and they come back; SIGKILL (the control) leaves them off."""
+    child = pexpect.spawn(sys.executable, [*CLI[1:], "run", str(endless), "--threads", "1",
+                                           "--no-panel"],
+                          env=child_env(TERM="xterm"), encoding="utf-8", timeout=90,
+                          dimensions=(40, 200))
+    try:
+        child.expect_exact(">>> ")
+        deadline = time.monotonic() + 30
+        while _lflag(child.child_fd) & termios.ECHO:  # the line editor has taken the terminal
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        child.kill(getattr(signal, sig))
+        child.expect(pexpect.EOF)
+        modes = _lflag(child.child_fd)
+    finally:
+        child.close(force=True)
+    restored = bool(modes & termios.ECHO and modes & termios.ICANON)
+    assert restored == (sig != "SIGKILL")
+
+
 # ===== bounds before work =====
 
 
