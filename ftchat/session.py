@@ -188,7 +188,12 @@ class Session:
         model = engine.load_model(folder, str(device), dtype, progress,
                                   kernels=KernelConfig.from_settings(settings))
         hooks = watchers(model, settings)
-        return cls(model, tokenizer, settings, build_experts(model, settings, hooks), hooks)
+        try:
+            return cls(model, tokenizer, settings, build_experts(model, settings, hooks), hooks)
+        except BaseException:  # a refused setting: the routing record's file goes too
+            if hooks is not None:
+                hooks.discard()
+            raise
 
     def close(self, complete: bool = True) -> None:
         """Release what the backend holds open (debug recorders, files). A result file is

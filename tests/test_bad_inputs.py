@@ -121,6 +121,16 @@ def test_record_routing_of_a_failed_run_leaves_no_file(tiny_bf16, tmp_path, caps
     assert [p.name for p in tmp_path.iterdir()] == ["trace.jsonl"]
 
 
+def test_record_routing_of_a_refused_setting_leaves_no_file(tiny_bf16, tmp_path, capsys,
+                                                            monkeypatch):
+    trace = tmp_path / "trace.jsonl"  # the budget is checked once the backend is built
+    code, out, err = _main(["run", tiny_bf16, "-p", "hi", "-n", "2", "--prefetch", "on",
+                            "--budget", "1000000000", "--record-routing", trace], capsys,
+                           monkeypatch)
+    clean_error(code, err, "--budget-gdn 1000000000")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_record_routing_refuses_a_device_or_fifo_even_with_force(tiny_bf16, tmp_path, capsys,
                                                                  monkeypatch):
     fifo = tmp_path / "pipe"

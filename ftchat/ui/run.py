@@ -120,7 +120,11 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
     if session.warms_up() and (interactive or settings.prompt is not None):
         if not quiet:
             screen.note("ftchat: warming up (compiling kernels, capturing the decode graph)")
-        loaded += f", warmed up in {session.warm_up(None if interactive else 1):.1f} s"
+        try:
+            loaded += f", warmed up in {session.warm_up(None if interactive else 1):.1f} s"
+        except BaseException:
+            session.close(complete=False)
+            raise
     if not quiet:
         screen.note_words(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
     return session
