@@ -28,7 +28,10 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 PrefillChunk, Prefetch, Prompt, PromptFile, Quiet,
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
-from ftchat.errors import FtchatError
+from ftchat.cli_options import Force, MinP, Think
+from ftchat.errors import FtchatError, StdoutError, Terminated
+from ftchat.process_io import signal_name, standard_streams, stop_signals
+from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.settings import resolve_one, resolve_settings
 
 
@@ -80,11 +83,12 @@ RUN_HELP = "\n\n".join((
     "prompt it quits. Keys typed while a reply streams wait for the next prompt.",
     "Piped input: one prompt per line, blank lines skipped; a line starting with { is a JSON "
     'object: "prompt" (required), and optionally "system", "max_new_tokens", "stop" (a string '
-    'or a list), "temperature", "top_k", "top_p", "repeat_penalty", "seed". Each prompt is '
-    "answered as it arrives (up to --batch-size waiting prompts decode together), one reply per "
-    "line with control characters escaped; --json writes one object per reply: index, text, "
-    "tokens, stop (eos, length, context, stop_string or interrupted), prompt_tokens, timings, "
-    "offload, vram_peak_bytes, and seed when sampled. A bad JSON line is an object with "
+    'or a list), "temperature", "top_k", "top_p", "min_p", "repeat_penalty", "seed". Each '
+    "prompt is answered as it arrives (up to --batch-size waiting prompts decode together), one "
+    "reply per line with control characters escaped; --json writes one object per reply: index, "
+    "text (the answer), reasoning (the think block), tokens, stop (eos, length, context, "
+    "stop_string or interrupted), prompt_tokens, timings, offload, vram_peak_bytes, and seed "
+    "when sampled. A bad JSON line is an object with "
     '"error" under --json, else an error that stops the run.',
     "Decoding is greedy unless --temp is above 0.",
 ))
@@ -96,7 +100,7 @@ def run(
     max_new_tokens: MaxNew = None, system: System = None, temp: Temp = None, top_k: TopK = None,
     top_p: TopP = None, repeat_penalty: RepeatPenalty = None, seed: Seed = None,
     stop: Stop = None, json: Json = None, batch_size: BatchSize = None, quiet: Quiet = None,
-    panel: Panel = None,
+    panel: Panel = None, think: Think = None, min_p: MinP = None,
     context: Context = None, prefill_chunk: PrefillChunk = None, device: Device = None,
     dtype: Dtype = None, kv_cache_dtype: KvCacheDtype = None, threads: Threads = None,
     slots: Slots = None, expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
@@ -106,7 +110,7 @@ def run(
     budget_attn: BudgetAttn = None, candidates: Candidates = None, eviction: Eviction = None,
     overlap: Overlap = None, copy_programs: CopyPrograms = None,
     verify: Verify = None, audit_every: AuditEvery = None, audit: OldName = None,
-    record_routing: RecordRouting = None,
+    record_routing: RecordRouting = None, force: Force = None,
 ) -> None:
     if file is not None:
         if prompt is not None:
@@ -123,6 +127,7 @@ def run(
         prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
         candidates=candidates, eviction=eviction, overlap=overlap, copy_programs=copy_programs,
         verify=verify, audit_every=audit_every, audit=audit, record_routing=record_routing,
+        force=force, think=think, min_p=min_p,
     ), os.environ)
     from ftchat.ui.run import run as run_ui
 
@@ -132,7 +137,13 @@ def run(
 def _read_prompt_file(path: Path) -> str:
     where = f"--file {path}"
     try:
-        data = path.read_bytes()
+        if path.is_char_device() or path.is_block_device():  # /dev/zero would never end
+            raise FtchatError(f"{where}: is a device, not a file")
+        with path.open("rb") as f:
+            data = f.read(MAX_LINE_BYTES + 1)  # a FIFO (`-f <(cmd)`) is read to its end
+        if len(data) > MAX_LINE_BYTES:
+            raise FtchatError(f"{where}: larger than {MAX_LINE_BYTES >> 20} MiB, more than "
+                              "any context holds")
     except FileNotFoundError:
         raise FtchatError(f"{where}: no such file") from None
     except IsADirectoryError:
@@ -366,8 +377,9 @@ def bench_cmd(
     model: Model = None,
     arms: Annotated[str, typer.Option("--arms", metavar="ARMS", help=ARMS_HELP)
                     ] = "off;on;on:budget=4",
-    context: Annotated[str, typer.Option(
-        "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k")] = "4k",
+    context: Annotated[str | None, typer.Option(
+        "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k (default 4k, "
+        "less where the model's positions need it)")] = None,
     steps: Annotated[int, typer.Option(metavar="N", help="Tokens per arm per round")] = 32,
     rounds: Annotated[int, typer.Option(metavar="N", help="Interleaved rounds")] = 3,
     synthetic: Synthetic = None,
@@ -403,7 +415,15 @@ def bench_cmd(
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: errors are one `error: ...` line on stderr, never a traceback."""
     try:
-        code = app(args=argv, prog_name="ftchat", standalone_mode=False)
+        standard_streams()  # a closed stdin/stderr made harmless, a closed stdout refused
+        with stop_signals():  # SIGTERM, SIGHUP: unwind as Ctrl-C does (temporary output removed)
+            code = app(args=argv, prog_name="ftchat", standalone_mode=False)
+            sys.stdout.flush()  # a full disk or a closed pipe reported here, not at exit
+    except Terminated as e:
+        return _fail(f"stopped by {signal_name(e.signum)}", 128 + e.signum)
+    except StdoutError as e:  # /dev/full: what is still buffered must not fail again at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        return _fail(str(e), 1)
     except FtchatError as e:
         return _fail(str(e), 1)
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
@@ -418,6 +438,11 @@ def main(argv: list[str] | None = None) -> int:
         # The reader went away (`| head`): silence the final flush of stdout too.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except OSError as e:  # a file the user named: one line naming it
+        if os.environ.get("FTCHAT_DEBUG"):
+            raise
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return _fail(f"{where}{e.strerror or e}", 1)
     except Exception as e:  # a bug or a device error: one line, the traceback on request
         if os.environ.get("FTCHAT_DEBUG"):
             raise
@@ -429,7 +454,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _fail(message: str, code: int) -> int:
     first = (message.strip().splitlines() or [""])[0]
-    print(f"error: {first}", file=sys.stderr)
+    try:
+        print(f"error: {first}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # stderr gone too (a hung-up terminal): the status tells
+        pass
     return code
 
 

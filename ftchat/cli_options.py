@@ -40,6 +40,9 @@ TopK = Annotated[int | None, typer.Option(
 TopP = Annotated[float | None, typer.Option(
     metavar="P", rich_help_panel=GEN,
     help="Sample from the likeliest tokens holding mass P (1: off)")]
+MinP = Annotated[float | None, typer.Option(
+    "--min-p", metavar="P", rich_help_panel=GEN,
+    help="Sample only tokens at least P times as likely as the likeliest (0: off)")]
 RepeatPenalty = Annotated[float | None, typer.Option(
     metavar="X", rich_help_panel=GEN,
     help="Penalize the last 64 tokens' ids by X (1: off; also when greedy)")]
@@ -55,6 +58,10 @@ BatchSize = Annotated[int | None, typer.Option(
 Quiet = Annotated[bool | None, typer.Option(
     "--quiet", "-q", metavar="", rich_help_panel=GEN,
     help="No banner, loading bar or timing lines")]
+Think = Annotated[bool | None, typer.Option(
+    "--think/--no-think", metavar="", rich_help_panel=GEN,
+    help="Reason before answering, or not: the chat template's enable_thinking switch "
+    "(default: the template's)")]
 Panel = Annotated[bool | None, typer.Option(
     "--panel/--no-panel", metavar="", rich_help_panel=GEN,
     help="Live panel on stderr (default: when a terminal)")]
@@ -141,7 +148,11 @@ AuditEvery = Annotated[int | None, typer.Option(
 OldName = Annotated[int | None, typer.Option(hidden=True)]  # a flag's old name, still accepted
 RecordRouting = Annotated[str | None, typer.Option(
     metavar="FILE", rich_help_panel=DEBUG,
-    help="Write the routed expert ids of every step to FILE")]
+    help="Write the routed expert ids of every step to FILE (a new file; renamed into place "
+    "when the run ends)")]
+Force = Annotated[bool | None, typer.Option(
+    "--force", metavar="", rich_help_panel=DEBUG,
+    help="Let --record-routing replace an existing file")]
 
 # ===== synthetic models (synth, info, bench) =====
 Layers = Annotated[int | None, typer.Option(metavar="N", help="Decoder layers of --synthetic")]

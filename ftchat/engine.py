@@ -302,12 +302,19 @@ def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int]
     n, done, decode_tokens = [0] * B, [False] * B, 0
     t0 = _now(m.device, sync=False)
     while True:
-        # SYNC: the chosen tokens go to the host
-        if choose is None:
-            tokens = logits.argmax(-1).tolist()  # [B] greedy
-        else:
-            tokens = choose(logits).tolist()  # [B]
+        picked = logits.argmax(-1) if choose is None else choose(logits)  # [B] greedy or drawn
+        # a row whose logits hold NaN or +Inf reads back as -1: found with the same sync (a
+        # -inf logit is a token ruled out, not a fault)
+        broken = (logits.isnan() | logits.isposinf()).any(-1)  # [B]
+        picked = torch.where(broken, -1, picked)
+        tokens = picked.tolist()  # SYNC: the chosen tokens go to the host
         active = [not d for d in done]
+        if any(t < 0 and a for t, a in zip(tokens, active)):
+            b = next(b for b, t in enumerate(tokens) if t < 0 and active[b])
+            raise FtchatError(f"the model's output holds NaN or Inf (sequence {b + 1}, position "
+                              f"{lengths[b]}): its weights are damaged or the {m.dtype} "
+                              "computation overflowed; try --dtype float32 or check the "
+                              "checkpoint")
         reasons = [None] * B
         for b, t in enumerate(tokens):
             if active[b]:

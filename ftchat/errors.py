@@ -13,3 +13,19 @@ class ModelError(FtchatError):
 
 class SettingsError(FtchatError):
     """An invalid flag or environment variable value."""
+
+
+class StdoutError(FtchatError):
+    """Writing to stdout failed (a full disk, /dev/full, a device error); not a closed pipe,
+    which stays BrokenPipeError (the reader went away: `| head`)."""
+
+
+class Terminated(BaseException):
+    """SIGTERM or SIGHUP arrived: raised in the main thread so that every `finally` runs (temporary
+    output removed, terminal modes restored) before the process exits with 128 + the signal.
+
+    A BaseException, as KeyboardInterrupt: an `except Exception` cannot swallow it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum

@@ -8,7 +8,9 @@ one place that decides which.
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +93,30 @@ def _model_folder(path: Path, name: str) -> ResolvedModel:
     # Checked here, first, so that every command says the same (not a missing tokenizer.json).
     if not (path / "config.json").is_file():
         raise not_a_model_folder(name)
+    _check_files(path)
     return ResolvedModel(path, name)
+
+
+def _check_files(folder: Path) -> None:
+    """Every file of a model folder is a regular file ftchat can read: a FIFO would block the
+    load forever, an unreadable file fail it halfway."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError as e:
+        raise ModelError(f"{folder}: cannot list the folder ({e.strerror or e})") from None
+    for entry in entries:
+        try:
+            mode = entry.stat().st_mode
+        except OSError as e:  # a dangling link (a cache whose blob was deleted)
+            raise ModelError(f"{entry}: cannot read it ({e.strerror or e}); download the model "
+                             "again") from None
+        if stat.S_ISDIR(mode):
+            continue
+        if not stat.S_ISREG(mode):
+            raise ModelError(f"{entry}: not a regular file (a FIFO, socket or device); a model "
+                             "folder holds files only")
+        if not os.access(entry, os.R_OK):
+            raise ModelError(f"{entry}: no permission to read it")
 
 
 def _offline(env: Mapping[str, str]) -> bool:

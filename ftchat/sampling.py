@@ -1,10 +1,10 @@
 """Sampling, opt-in: the token chooser `engine.decode` takes instead of its greedy argmax.
 
 Per row (one request each), in llama-cli's order: repeat penalty over the row's last
-REPEAT_WINDOW tokens, top-k, top-p (on the untempered distribution), temperature, then one draw
-from the row's own torch.Generator, seeded once per request. Every step runs on the logits'
-device with no host sync: the decode loop's token readback stays the only one. A row with
-temperature 0 takes the argmax of its penalized logits.
+REPEAT_WINDOW tokens, top-k, top-p, min-p (both on the untempered distribution), temperature,
+then one draw from the row's own torch.Generator, seeded once per request. Every step runs on
+the logits' device with no host sync: the decode loop's token readback stays the only one. A
+row with temperature 0 takes the argmax of its penalized logits.
 
 The draw is the exponential race: argmax(p / E) with E ~ Exp(1) i.i.d. picks token i with
 probability p_i (it is the Gumbel-max trick written with probabilities), with no sort of random
@@ -13,6 +13,8 @@ Legend: B batch (rows), V vocab, W window.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import secrets
 from collections.abc import Sequence
@@ -24,6 +26,9 @@ from torch import Tensor
 REPEAT_WINDOW = 64  # tokens a repeat penalty looks back over (llama-cli's repeat_last_n)
 
 
+TOP_K_CAP = 2**31  # above any vocabulary size
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How one request chooses its tokens; the defaults are greedy decoding."""
@@ -33,6 +38,7 @@ class Sampling:
     top_p: float = 1.0  # 1: off
     repeat_penalty: float = 1.0  # 1: off
     seed: int | None = None  # None: drawn at random when the request starts
+    min_p: float = 0.0  # 0: off; else drop tokens below min_p x the likeliest one's probability
 
     @property
     def greedy(self) -> bool:
@@ -41,15 +47,14 @@ class Sampling:
 
     @classmethod
     def from_settings(cls, s) -> Sampling:
-        return cls(s.temperature, s.top_k, s.top_p, s.repeat_penalty, s.seed)
+        return cls(s.temperature, s.top_k, s.top_p, s.repeat_penalty, s.seed, s.min_p)
 
     def with_seed(self) -> Sampling:
         """This request with its seed fixed (a random one where none was given), so that the
         reply can say which seed reproduces it."""
         if self.greedy or self.seed is not None:
             return self
-        return Sampling(self.temperature, self.top_k, self.top_p, self.repeat_penalty,
-                        secrets.randbits(63))
+        return dataclasses.replace(self, seed=secrets.randbits(63))
 
 
 class Sampler:
@@ -70,8 +75,10 @@ class Sampler:
         self.temperature = torch.tensor([p.temperature for p in params], device=device)
         self.sampled = [p.temperature > 0 for p in params]
         self.any_sampled = any(self.sampled)
-        self.top_k = torch.tensor([p.top_k for p in params], device=device)
+        # a K past the vocabulary keeps every token, as 0 does: capped to fit an int64
+        self.top_k = torch.tensor([min(p.top_k, TOP_K_CAP) for p in params], device=device)
         self.top_p = torch.tensor([p.top_p for p in params], device=device)
+        self.min_p = torch.tensor([p.min_p for p in params], device=device)
         self.penalty = torch.tensor([p.repeat_penalty for p in params], device=device)
         self.penalized = any(p.repeat_penalty != 1 for p in params)
         self.generators = []
@@ -115,6 +122,8 @@ class Sampler:
         before = probs.cumsum(-1) - probs  # mass of the tokens ranked above each one
         # top-p: the likeliest tokens until their mass reaches p (rank 0 always stays)
         vals = vals.masked_fill(before >= self.top_p[:, None], float("-inf"))
+        # min-p: tokens below min_p x the likeliest one's probability (untempered; rank 0 stays)
+        vals = vals.masked_fill(probs < self.min_p[:, None] * probs[:, :1], float("-inf"))
         temp = torch.where(self.temperature > 0, self.temperature, 1.0)[:, None]
         probs = (vals / temp).softmax(-1)
         picks = []

@@ -21,7 +21,9 @@ from ftchat.errors import FtchatError
 from ftchat.kernels.config import KernelConfig
 from ftchat.model.config import check_context
 from ftchat.model.expert_backend import ExpertBackend
-from ftchat.model.tokenizer import IM_END, StreamDecoder, Tokenizer
+from ftchat.model.registry import load_args
+from ftchat.model.tokenizer import IM_END, StreamDecoder, Tokenizer, check_unicode
+from ftchat.offload.hooks import Hooks
 from ftchat.sampling import Sampler, Sampling
 from ftchat.settings import Settings
 from ftchat.vram.workloads import run_context
@@ -31,13 +33,17 @@ TURN_SEPARATOR = "\n"  # what ChatML puts between a turn's <|im_end|> and the ne
 WARM_UP_TOKENS = 8  # the warm-up's prefill: the prompt path once (its kernels compile)
 
 
-def build_experts(model: engine.LoadedModel, settings: Settings) -> ExpertBackend:
+def build_experts(model: engine.LoadedModel, settings: Settings,
+                  hooks: Hooks | None = None) -> ExpertBackend:
     """The backend the settings ask for (all resident when every expert fits), watched by the
-    debug hooks the settings turn on."""
-    a = model.args
-    hooks = hooks_for(settings, a.num_hidden_layers, engine.num_slots(model, settings),
-                      model.device)
-    return engine.build_experts(model, settings, hooks)
+    debug hooks the settings turn on (`watchers`, unless given)."""
+    return engine.build_experts(model, settings, hooks or watchers(model, settings))
+
+
+def watchers(model: engine.LoadedModel, settings: Settings) -> Hooks | None:
+    """The debug hooks the settings turn on (None: none)."""
+    return hooks_for(settings, model.args.num_hidden_layers, engine.num_slots(model, settings),
+                     model.device)
 
 
 @dataclass(frozen=True)
@@ -150,9 +156,9 @@ class Session:
     """A loaded model ready to generate; for chat it also keeps the conversation."""
 
     def __init__(self, model: engine.LoadedModel, tokenizer: Tokenizer, settings: Settings,
-                 experts: ExpertBackend):
+                 experts: ExpertBackend, hooks: Hooks | None = None):
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
-        self.experts = experts
+        self.experts, self.hooks = experts, hooks
         a = model.args
         check_context(a, settings.context)
         self.max_len = run_context(a, settings)  # --context, else the model's up to 32K
@@ -174,12 +180,26 @@ class Session:
         """
         device, dtype = settings.torch_device(), settings.torch_dtype()
         tokenizer = Tokenizer.from_folder(folder)  # cheap: fails before the weights load
+        tokenizer.check_vocab(load_args(folder).vocab_size, folder)
+        if settings.think is not None and not tokenizer.thinking_switch:
+            flag = "--think" if settings.think else "--no-think"
+            raise FtchatError(f"{flag}: the chat template of {folder} has no thinking switch "
+                              "(enable_thinking); drop the flag")
         model = engine.load_model(folder, str(device), dtype, progress,
                                   kernels=KernelConfig.from_settings(settings))
-        return cls(model, tokenizer, settings, build_experts(model, settings))
+        hooks = watchers(model, settings)
+        try:
+            return cls(model, tokenizer, settings, build_experts(model, settings, hooks), hooks)
+        except BaseException:  # a refused setting: the routing record's file goes too
+            if hooks is not None:
+                hooks.discard()
+            raise
 
-    def close(self) -> None:
-        """Release what the backend holds open (debug recorders, files)."""
+    def close(self, complete: bool = True) -> None:
+        """Release what the backend holds open (debug recorders, files). A result file is
+        renamed into place; not `complete` (an error or a signal stopped the run): dropped."""
+        if not complete and self.hooks is not None:
+            self.hooks.discard()
         self.experts.close()
 
     def describe(self) -> str:
@@ -217,19 +237,42 @@ class Session:
         return time.perf_counter() - t
 
     # ===== prompts =====
-    def encode_messages(self, messages: list[dict]) -> list[int]:
-        """Token ids of `messages` rendered with the chat template, assistant turn opened."""
-        return self.tokenizer.encode(self.tokenizer.render_chat(messages))
+    def encode_messages(self, messages: list[dict], what: str = "the prompt") -> list[int]:
+        """Token ids of `messages` rendered with the chat template, assistant turn opened.
+        A text too long for the context by its byte count alone is refused before it is
+        tokenized (`what` names it in the error)."""
+        text = self.tokenizer.render_chat(self._checked(messages, what),
+                                          enable_thinking=self.settings.think)
+        return self._encode(text, what)
 
     def turn_ids(self, user: str, system: str | None = None) -> list[int]:
         """Ids of the next chat turn: the whole first prompt, then only the new user turn."""
         if self.length == 0 and not self._pending:
             sys_msg = [{"role": "system", "content": system}] if system else []
             return self.encode_messages([*sys_msg, {"role": "user", "content": user}])
-        turn = self.tokenizer.render_chat([{"role": "user", "content": user}])
-        return self.tokenizer.encode(TURN_SEPARATOR + turn)
+        user_msg = self._checked([{"role": "user", "content": user}], "the message")
+        turn = self.tokenizer.render_chat(user_msg, enable_thinking=self.settings.think)
+        return self._encode(TURN_SEPARATOR + turn, "the message")
 
-    def _check_prompt(self, n: int, what: str) -> None:
+    def _checked(self, messages: list[dict], what: str) -> list[dict]:
+        for m in messages:
+            check_unicode(m["content"], f"{what}'s {m['role']} text")
+        text_bytes = sum(len(m["content"].encode("utf-8")) for m in messages)
+        fewest = text_bytes // (3 * self.tokenizer.max_token_bytes)
+        if fewest > self.max_len:
+            raise FtchatError(f"{what} is {text_bytes:,} bytes, at least {fewest:,} tokens: more "
+                              f"than the context ({self.max_len}); shorten it or raise --context")
+        return messages
+
+    def _encode(self, text: str, what: str) -> list[int]:
+        ids = self.tokenizer.encode(text)
+        if not ids:
+            raise FtchatError(f"{what} renders to no tokens: the model's chat template wrote "
+                              "nothing for it")
+        return ids
+
+    def check_prompt(self, n: int, what: str) -> None:
+        """Refuse a prompt of `n` tokens that is empty or longer than the context."""
         if n == 0:
             raise FtchatError(f"{what} is empty")
         if n > self.max_len:
@@ -263,7 +306,7 @@ class Session:
         if len(limits) != n or min(limits, default=1) < 1:
             raise FtchatError("max_new_tokens: need one positive limit per prompt")
         for i, p in enumerate(prompts):
-            self._check_prompt(len(p), f"prompt {i + 1}")
+            self.check_prompt(len(p), f"prompt {i + 1}")
         stops = self.tokenizer.eos_ids if stop_ids is None else frozenset(stop_ids)
         strings = self.settings.stop if stop_strings is None else stop_strings
         if not strings or isinstance(strings[0], str):
@@ -352,7 +395,7 @@ class Session:
             raise FtchatError("empty turn")
         if self.length + len(turn) > self.max_len:
             if self.length == 0:
-                self._check_prompt(len(turn), "the prompt")
+                self.check_prompt(len(turn), "the prompt")
             raise FtchatError(f"the conversation is full ({self.length} of {self.max_len} tokens "
                               f"used, the new turn needs {len(turn)}): /reset to start over")
         if self._chat is None:

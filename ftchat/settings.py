@@ -68,6 +68,8 @@ class Settings:
     audit_every: int = 0  # 0: off
     copy_programs: int = DEFAULT_COPY_PROGRAMS  # 0: cudaMemcpy-style copies
     record_routing: str | None = None
+    force: bool = False  # an output file (--record-routing) may replace an existing file
+    think: bool | None = None  # the chat template's thinking switch; None: the template's default
     panel: bool | None = None  # None: on when stderr is a terminal
     json: bool = False
     system: str | None = None
@@ -80,6 +82,7 @@ class Settings:
     top_k: int = 0  # 0: every token
     top_p: float = 1.0  # 1: every token
     repeat_penalty: float = 1.0  # 1: none
+    min_p: float = 0.0  # 0: off
     seed: int | None = None  # None: a random seed per request
 
     def torch_device(self) -> torch.device:
@@ -109,6 +112,12 @@ class Settings:
     def watched(self) -> bool:
         """Whether a debug watcher (verifier, slot audit, routing recorder) is on."""
         return bool(self.verify or self.audit_every or self.record_routing)
+
+    def check_graph(self) -> None:
+        """Refuse --graph where there is no CUDA device to capture on (before loading)."""
+        if self.graph and self.torch_device().type != "cuda":
+            raise SettingsError("--graph: CUDA graphs need a CUDA device and this run is on the "
+                                "CPU; drop --graph (the CPU decodes eagerly)")
 
     def use_graph(self) -> bool:
         """CUDA graphs on CUDA by default; the debug modes (verify, audit, routing record) read
@@ -141,21 +150,27 @@ def context_tokens(text: str) -> int:
     return n
 
 
-def _int(minimum: int) -> Callable[[object, str], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[object, str], int]:
     expected = {0: "a non-negative integer", 1: "a positive integer"}[minimum]
+    if maximum is not None:
+        expected = f"an integer from {minimum} to {maximum:,}"
 
     def parse(value: object, where: str) -> int:
         if isinstance(value, bool):
             raise _fail(where, value, expected)
         try:
             n = int(value.strip()) if isinstance(value, str) else int(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise _fail(where, value, expected) from None
-        if n < minimum or (isinstance(value, float) and value != n):
+        if n < minimum or (isinstance(value, float) and value != n) or (
+                maximum is not None and n > maximum):
             raise _fail(where, value, expected)
         return n
 
     return parse
+
+
+MAX_BATCH = 4096  # --batch-size: sequences decoded together (each holds a whole decode state)
 
 
 def _choice(literal) -> Callable[[object, str], str]:
@@ -170,13 +185,17 @@ def _choice(literal) -> Callable[[object, str], str]:
     return parse
 
 
+MAX_GIB = 1 << 20  # a GiB figure past this (a PiB) is a typo, and its bytes overflow floats
+
+
 def _positive_float(value: object, where: str) -> float:
+    expected = f"a positive number of GiB, at most {MAX_GIB:,}"
     try:
         x = float(value)
     except (TypeError, ValueError):
-        raise _fail(where, value, "a positive number of GiB") from None
-    if not x > 0 or x == float("inf"):
-        raise _fail(where, value, "a positive number of GiB")
+        raise _fail(where, value, expected) from None
+    if not 0 < x <= MAX_GIB:  # nan and inf too
+        raise _fail(where, value, expected)
     return x
 
 
@@ -199,6 +218,7 @@ def _number(low: float, high: float = float("inf"), low_open: bool = False,
 
 TEMPERATURE = _number(0.0, expected="a number >= 0 (0: greedy)")
 TOP_P = _number(0.0, 1.0, low_open=True, expected="a number above 0 and at most 1")
+MIN_P = _number(0.0, 1.0, expected="a number from 0 to 1 (0: off)")
 REPEAT_PENALTY = _number(0.0, low_open=True, expected="a positive number (1: no penalty)")
 
 
@@ -215,11 +235,24 @@ def _stop_strings(value: object, where: str) -> tuple[str, ...]:
         raise _fail(where, value, "text")
     if any(x == "" for x in items):
         raise _fail(where, value, "a non-empty stop string")
+    for x in items:
+        _unicode_text(x, where)
     return tuple(dict.fromkeys(items))
 
 
-def _prompt(value: object, where: str) -> str:
+def _unicode_text(value: object, where: str) -> str:
+    """Text a tokenizer will read: no lone surrogates (the bytes of an argument that are not
+    UTF-8 arrive as surrogates)."""
     text = _text(value, where)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SettingsError(f"{where}: not UTF-8 text (give the text in UTF-8)") from None
+    return text
+
+
+def _prompt(value: object, where: str) -> str:
+    text = _unicode_text(value, where)
     if not text.strip():
         raise _fail(where, value, "a prompt with some text in it")
     return text
@@ -279,7 +312,7 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "overlap": ("overlap", "--overlap", _bool, None, None),
     "graph": ("graph", "--graph", _bool, None, None),
     "max_new_tokens": ("max_new_tokens", "--max-new-tokens", _int(1), None, None),
-    "batch_size": ("batch_size", "--batch-size", _int(1), None, None),
+    "batch_size": ("batch_size", "--batch-size", _int(1, MAX_BATCH), None, None),
     "context": ("context", "--context", _int(1), None, None),
     "prefill_chunk": ("prefill_chunk", "--prefill-chunk", _int(1), None, None),
     "device": ("device", "--device", _choice(DeviceName), None, None),
@@ -293,9 +326,11 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "copy_programs": ("copy_programs", "--copy-programs", _int(0), ENV_SLIM_COPY,
                       _copy_programs_env),
     "record_routing": ("record_routing", "--record-routing", _text, None, None),
+    "force": ("force", "--force", _bool, None, None),
+    "think": ("think", "--think", _bool, None, None),
     "panel": ("panel", "--panel", _bool, None, None),
     "json": ("json", "--json", _bool, None, None),
-    "system": ("system", "--system", _text, None, None),
+    "system": ("system", "--system", _unicode_text, None, None),
     "prompt": ("prompt", "--prompt", _prompt, None, None),
     "quiet": ("quiet", "--quiet", _bool, None, None),
     "threads": ("threads", "--threads", _int(1), None, None),
@@ -304,6 +339,7 @@ _SOURCES: dict[str, tuple[str, str, Callable, str | None, Callable | None]] = {
     "top_k": ("top_k", "--top-k", _int(0), None, None),
     "top_p": ("top_p", "--top-p", TOP_P, None, None),
     "repeat_penalty": ("repeat_penalty", "--repeat-penalty", REPEAT_PENALTY, None, None),
+    "min_p": ("min_p", "--min-p", MIN_P, None, None),
     "seed": ("seed", "--seed", _seed, None, None),
 }
 
@@ -345,7 +381,7 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
         raise SettingsError("--slots and --expert-vram are exclusive: give one of them")
     if not values.get("temperature"):
         for field, flag, off in (("top_k", "--top-k", 0), ("top_p", "--top-p", 1.0),
-                                 ("seed", "--seed", None)):
+                                 ("min_p", "--min-p", 0.0), ("seed", "--seed", None)):
             if values.get(field, off) != off:
                 raise SettingsError(f"{flag} applies to sampling: give --temp above 0 too "
                                     "(decoding is greedy by default)")

@@ -6,3 +6,4 @@ DEFAULT_CONTEXT = 32768  # KV capacity when --context is not given (and the mode
 # An n-gram table up to this size (at the model dtype) goes to the device; a larger one (the real
 # model's, 48 GiB) stays in host memory (docs/model.md 7.4)
 PLE_ON_DEVICE_BYTES = 2 << 30
+MAX_LINE_BYTES = 256 << 20  # a prompt line on stdin (or a --file) past this: refused as it is read

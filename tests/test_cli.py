@@ -233,7 +233,7 @@ BAD = [
      "FREETOKEN_MOE_PREFETCH='yes': expected off, measure or on", ["run", "{model}"],
      {"FREETOKEN_MOE_PREFETCH": "off"}),
     ("prompt-longer-than-context", ["run", "{model}", "--context", "8"], {}, "hello there",
-     "prompt 1 has 19 tokens, more than the context (8)", ["run", "{model}", "--context", "32"],
+     "stdin line 1 has 19 tokens, more than the context (8)", ["run", "{model}", "--context", "32"],
      {}),
     ("bad-json-line", ["run", "{model}"], {}, 'hi\n{"prompt": 1}', "stdin line 2: \"prompt\"",
      ["run", "{model}"], {}, 'hi\n{"prompt": "1"}'),

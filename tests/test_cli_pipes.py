@@ -256,7 +256,12 @@ def test_demo_reply_to_hi_shows_no_think_tag(capsys, monkeypatch):
     assert out.startswith("```python") and "think>" not in out, out
     code, raw, err = _main(["run", "--max-new-tokens", "24", "--json"], capsys, monkeypatch,
                            "hi\n")
-    assert json.loads(raw)["text"].startswith("</think>\n\n</think>")  # --json: exact text
+    obj = json.loads(raw)
+    # --json: the answer in "text", the (empty) think block in "reasoning", the exact reply in
+    # "tokens" (the two </think> the model wrote are there)
+    assert obj["text"].startswith("```python") and obj["reasoning"] == "", obj
+    exact = Session.open(SHIPPED_DEMO, Settings()).tokenizer.decode(obj["tokens"][:-1])  # eos
+    assert exact.startswith("</think>\n\n</think>") and exact.endswith(obj["text"]), exact
     s = Session.open(SHIPPED_DEMO, Settings(max_new_tokens=24))
     shown = io.StringIO()
     lines = iter(["hi"])

@@ -285,4 +285,8 @@ def test_decode_after_a_streamed_prefill_is_the_resident_run(tiny_nvfp4, prefetc
                         lambda self, *a: dataclasses.replace(begin(self, *a), ready=None))
     ex = build_experts(m, Settings(slots=24, batch_size=1, prefetch=prefetch))
     monkeypatch.setattr(ex, "for_prefill", ex.staged_prefill)
-    assert not torch.equal(run(ex)[1], ref_logits)
+    try:
+        moved = not torch.equal(run(ex)[1], ref_logits)
+    except FtchatError as e:  # the stale experts' output reached the logits as NaN: the
+        moved = "NaN or Inf" in str(e)  # decode stops there instead of returning them
+    assert moved

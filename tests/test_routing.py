@@ -17,6 +17,8 @@ def test_record_and_replay(tiny_bf16, tmp_path):
     trace = tmp_path / "t.jsonl"
     ex = build_experts(m, Settings(record_routing=str(trace), candidates=8))
     out = list(generate(m, PROMPTS[1], 21, ex))
+    assert not trace.exists()  # written under a temporary name until the run ends
+    ex.close()
     lines = [json.loads(x) for x in trace.read_text().splitlines()]
     a = m.args
     assert len(lines) == 20  # decode steps (the first token comes from the prefill)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -159,8 +160,10 @@ def run_round(arm: Arm, steps: int) -> None:
 
 
 def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Settings,
-                  steps: int, rounds: int) -> dict:
-    """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures."""
+                  steps: int, rounds: int,
+                  progress: Callable[[int, int], None] | None = None) -> dict:
+    """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures.
+    `progress(done, total)` after each round (the warm-up round included)."""
     if steps < 1 or rounds < 1:
         raise FtchatError("--steps and --rounds must be >= 1")
     max_len = ctx + (rounds + 1) * steps + 2
@@ -173,9 +176,13 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     for arm in built:  # warm-up round (fills the caches), not counted
         run_round(arm, steps)
         arm.times, arm.tokens, arm.counts = [], 0, dict.fromkeys(COUNTERS, 0)
-    for _ in range(rounds):  # ABAB: every round runs every arm once
+    if progress:
+        progress(1, rounds + 1)
+    for r in range(rounds):  # ABAB: every round runs every arm once
         for arm in built:
             run_round(arm, steps)
+        if progress:
+            progress(r + 2, rounds + 1)
     L = m.args.num_hidden_layers
     out = {}
     for a in built:

@@ -17,13 +17,16 @@ from ftchat.commands.load import load_checked, pin_planned_slots, preflight
 from ftchat.engine import LoadedModel
 from ftchat.errors import FtchatError
 from ftchat.kernels.config import KernelConfig
-from ftchat.model.synth import FORMATS
+from ftchat.model.synth import FORMATS, MAX_LAYERS
+from ftchat.model.registry import load_args
 from ftchat.model.synth_memory import synthetic_model
+from ftchat.resolve import resolve_model
 from ftchat.settings import Settings, context_tokens
 from ftchat.ui.progress import progress_bar
 from ftchat.vram.items import VramPlan, Workload
 from ftchat.vram.workloads import bench_workload, synthetic_inputs
 
+DEFAULT_CONTEXT = 4096  # --context when none is given (less where the model has fewer positions)
 COLUMNS = ("arm", "tok/s", "vs off", "ms/layer", "misses/token", "useful/layer", "precision")
 
 
@@ -39,8 +42,8 @@ class Synthetic:
     def load(self, settings: Settings, err: TextIO) -> LoadedModel:
         if self.fmt not in FORMATS:
             raise FtchatError(f"--format {self.fmt!r}: expected {', '.join(FORMATS)}")
-        if self.layers is not None and self.layers < 2:
-            raise FtchatError("--layers must be at least 2")
+        if self.layers is not None and not 2 <= self.layers <= MAX_LAYERS:
+            raise FtchatError(f"--layers {self.layers}: expected 2 to {MAX_LAYERS}")
         with progress_bar(err, "building") as bar:
             return synthetic_model(self.preset, self.layers, self.fmt,
                                    settings.torch_device(), settings.torch_dtype(), progress=bar,
@@ -48,13 +51,16 @@ class Synthetic:
 
 
 def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
-              contexts: str, steps: int, rounds: int, as_json: bool, out: TextIO, err: TextIO,
-              synthetic: Synthetic | None = None) -> int:
+              contexts: str | None, steps: int, rounds: int, as_json: bool, out: TextIO,
+              err: TextIO, synthetic: Synthetic | None = None) -> int:
     """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
     if steps < 1 or rounds < 1:
         raise FtchatError("--steps and --rounds must be >= 1")
+    settings.check_graph()
     arm_specs = parse_arms(arms, settings)  # usage errors before the model loads
-    ctxs = [context_tokens(c) for c in contexts.split(",")]
+    a0 = (synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt)[0] if synthetic
+          else load_args(resolve_model(model, env).path))
+    ctxs = bench_contexts(contexts, a0.max_position_embeddings, steps, rounds)
     max_len = max(ctxs) + (rounds + 1) * steps + 2  # bench_context's KV capacity
 
     def work(a, layout) -> Workload:
@@ -72,12 +78,33 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
     arm_specs = {name: _arm_pinned(spec, plan) for name, spec in arm_specs.items()}
     res = {}
     for ctx in ctxs:
-        res[ctx] = bench_context(m, arm_specs, ctx, settings, steps, rounds)
+        with progress_bar(err, f"context {ctx}:") as bar:  # on a terminal only
+            res[ctx] = bench_context(m, arm_specs, ctx, settings, steps, rounds,
+                                     progress=lambda i, n: bar("rounds", i, n))
         if not as_json:
             _print_context(out, ctx, res[ctx], steps, rounds)
     if as_json:
         out.write(json.dumps(res) + "\n")
     return 0
+
+
+def bench_contexts(contexts: str | None, positions: int, steps: int, rounds: int) -> list[int]:
+    """The --context list, each checked against the model's positions before loading; none
+    given: DEFAULT_CONTEXT, or less where the model's positions leave no room for the bench
+    tokens (the demo model has 4,096)."""
+    room = positions - (rounds + 1) * steps - 2  # bench_context's KV capacity beyond ctx
+    if contexts is None:
+        if room < 1:
+            raise FtchatError(f"--steps {steps} x (--rounds {rounds} + 1) bench tokens do not fit "
+                              f"the model's {positions} positions: give fewer")
+        return [min(DEFAULT_CONTEXT, room)]
+    ctxs = [context_tokens(c) for c in contexts.split(",")]
+    for ctx in ctxs:
+        if ctx > room:
+            raise FtchatError(f"--context {ctx}: with {(rounds + 1) * steps} bench tokens it "
+                              f"exceeds the model's {positions} positions; give "
+                              f"{max(room, 1)} or less")
+    return ctxs
 
 
 def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,

@@ -57,6 +57,7 @@ def load_checked(model: str | None, settings: Settings, env: Mapping[str, str], 
     if resolved.demo:
         print(demo_notice(resolved.path), file=err)
     tok = Tokenizer.from_folder(resolved.path)
+    tok.check_vocab(load_args(resolved.path).vocab_size, resolved.path)
     with progress_bar(err, "loading") as bar:
         m = load_model(resolved.path, str(settings.torch_device()), settings.torch_dtype(), bar,
                        kernels=KernelConfig.from_settings(settings))

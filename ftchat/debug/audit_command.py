@@ -14,7 +14,7 @@ from ftchat.engine import LoadedModel, build_experts, generate, num_slots
 from ftchat.errors import FtchatError
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
-from ftchat.vram.workloads import verify_workload
+from ftchat.vram.workloads import run_context, verify_workload
 
 SHOWN_BAD_SLOTS = 20  # bad slots printed (and kept in the JSON) at most
 
@@ -38,12 +38,23 @@ def run_audit(model: str | None, settings: Settings, env: Mapping[str, str], eve
     the exit code (1: a bad slot, or no audit ran)."""
     if every < 1:
         raise FtchatError(f"--audit-every {every}: expected a positive integer")
+    if max_new < 1:
+        raise FtchatError(f"--max-new-tokens {max_new}: expected a positive integer")
     if not prompt_texts:
         raise FtchatError("no prompts: give them with --prompt or on stdin, one per line")
+    for i, text in enumerate(prompt_texts):
+        if not text.strip():
+            raise FtchatError(f"prompt {i + 1} is empty: give a prompt with some text in it")
     m, tok, plan = load_checked(model, settings, env, err, lambda a, layout: verify_workload(
         a, layout, settings, max_new, 1))
     settings = pin_planned_slots(settings, plan)
     ids = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in prompt_texts]
+    context = run_context(m.args, settings)
+    for i, p in enumerate(ids):
+        if len(p) + max_new + 1 > context:  # generate holds the prompt, the reply and one
+            raise FtchatError(f"prompt {i + 1}: {len(p)} tokens + --max-new-tokens {max_new} "
+                              f"exceed the context ({context}): shorten it, lower "
+                              "--max-new-tokens or raise --context")
     a = audit_prompts(m, ids, settings, every, max_new)
     shown = a.bad[:SHOWN_BAD_SLOTS]
     res = {"prompts": len(ids), "audits": a.audits, "bad_slots": len(a.bad), "bad": shown}

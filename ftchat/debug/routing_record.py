@@ -4,6 +4,8 @@ lookahead's candidates for the next layer, exactly as the backend computed them 
 One JSON line per decode step: {"step": n, "routed": [[ids of layer 0], ...],
 "candidates": [[top-C of layer 1 predicted at layer 0], ...]}. Routed ids are the first
 sequence's; the candidates are the batch's (the lookahead sums the rows' probabilities).
+The file is written under a temporary name beside FILE and renamed to FILE when the run ends
+(`OutputFile`); a run that fails or is stopped by a signal leaves FILE as it was.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ import json
 from pathlib import Path
 
 from ftchat.offload.hooks import BackendView, Hooks
+from ftchat.output_file import OutputFile
 
 
 class RoutingRecorder(Hooks):
     reads_candidates = True  # the backend runs its lookahead even with prefetch off
 
-    def __init__(self, path: str | Path, num_layers: int):
-        self.file = open(path, "w", buffering=1)  # line-buffered: complete lines on disk
+    def __init__(self, path: str | Path, num_layers: int, force: bool = False):
+        self.file = OutputFile(path, "--record-routing", force)  # line-buffered
         self.num_layers = num_layers
         self.routed: list[list[int]] = []
         self.cands: list[list[int]] = []
@@ -34,4 +37,7 @@ class RoutingRecorder(Hooks):
         self.routed, self.cands = [], []
 
     def close(self) -> None:
-        self.file.close()
+        self.file.commit()
+
+    def discard(self) -> None:
+        self.file.discard()

@@ -148,6 +148,11 @@ def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings:
     on_settings = base if base.prefetch == "on" else dataclasses.replace(base, prefetch="on")
     S = num_slots(m, on_settings)
     prompts = [encode(text) for text in cold_prompts(n, seed)]
+    longest = max(map(len, prompts))
+    if longest + max_new + 1 > a.max_position_embeddings:
+        raise FtchatError(f"--max-new-tokens {max_new}: with prompts of up to {longest} tokens "
+                          f"it exceeds the model's {a.max_position_embeddings} positions; give "
+                          f"{max(a.max_position_embeddings - longest - 1, 1)} or less")
     graphs = None
     if settings.graph is True:
         if m.device.type not in GRAPH_DEVICES:
@@ -258,6 +263,10 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
                           f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
                           f"first record {v.records[:1]}\n")
     why = failure(s)
+    if not as_json:  # the verdict, last: one line a reader (or a script) looks for
+        out.write(f"FAIL: {why}\n" if why else
+                  f"PASS: prefetch on matched off over {prompts} prompts x {max_new} tokens, "
+                  "no verifier record, no bad slot\n")
     if why:
         err.write(f"error: {why}\n")
     return 1 if why else 0

@@ -48,6 +48,10 @@ class HookChain(Hooks):
         for h in self.hooks:
             h.close()
 
+    def discard(self) -> None:
+        for h in self.hooks:
+            h.discard()
+
 
 def hooks_for(settings: Settings, num_layers: int, num_slots: int, device) -> Hooks | None:
     """The verifier, slot audit and routing recorder the settings ask for (None: all off)."""
@@ -57,6 +61,6 @@ def hooks_for(settings: Settings, num_layers: int, num_slots: int, device) -> Ho
     if settings.audit_every:
         hooks.append(SlotAudit(settings.audit_every, num_slots, device))
     if settings.record_routing:
-        hooks.append(RoutingRecorder(settings.record_routing, num_layers))
+        hooks.append(RoutingRecorder(settings.record_routing, num_layers, settings.force))
     return None if not hooks else hooks[0] if len(hooks) == 1 else HookChain(hooks)
 

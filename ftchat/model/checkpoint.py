@@ -10,6 +10,7 @@ which is what the host store holds. Every problem is one ModelError naming the f
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -52,6 +53,18 @@ class Checkpoint:
         self.fp8_block: tuple[int, int] = (128, 128)  # block of a block-FP8 checkpoint
         self.format = BF16  # until detected
         self.format = self._detect_format()
+        self._check_layer_count()
+
+    def _check_layer_count(self) -> None:
+        """config.json's num_hidden_layers against the layers the tensors hold: fewer in the
+        config would silently drop the checkpoint's last layers."""
+        layer = re.compile(re.escape(self.prefix) + r"layers\.(\d+)\.")
+        found = {int(m.group(1)) for name in self.files if (m := layer.match(name))}
+        n = self.args.num_hidden_layers
+        if found and max(found) >= n:
+            raise ModelError(f"{self.folder / 'config.json'}: num_hidden_layers is {n} but the "
+                             f"checkpoint holds layers 0 to {max(found)}; config.json does not "
+                             "describe these weights")
 
     # ===== files and tensors =====
     def _index(self) -> dict[str, Path]:
@@ -196,6 +209,7 @@ class Checkpoint:
         a = self.args
         specs = self.family.dense_specs(a)
         out: dict[str, Tensor] = {}
+        finite: dict[str, Tensor] = {}  # name -> bool tensor: no NaN or Inf in it
         shards: dict[str, list[str]] = {}
         for n, (name, spec) in enumerate(specs.items()):
             if ".ngram_embedding.shard_" in name:
@@ -209,7 +223,11 @@ class Checkpoint:
             else:
                 t = self.get(name, spec.shape)
             keep = isinstance(t, nvfp4.Nvfp4Weight) or t.dtype == torch.int64
+            if not keep:
+                self._check_float(name, t)
             out[name] = t.to(device) if keep else t.to(device, dtype)
+            if not keep:
+                finite[name] = torch.isfinite(out[name]).all()  # read back once, below
             if progress:
                 progress(n + 1, len(specs))
         for name, parts in shards.items():
@@ -218,10 +236,32 @@ class Checkpoint:
             self._check_hash_rows(name, out, out[name].shape[0])
         if not self.has("lm_head.weight") and getattr(a, "tie_word_embeddings", False):
             out["lm_head.weight"] = out["embed_tokens.weight"]  # tied: the embedding's weight
-            return out
-        out["lm_head.weight"] = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size)).to(
-            device, dtype)
+        else:
+            head = self.linear("lm_head.weight", (a.vocab_size, a.hidden_size))
+            out["lm_head.weight"] = self._check_float("lm_head.weight", head).to(device, dtype)
+        finite["lm_head.weight"] = torch.isfinite(out["lm_head.weight"]).all()
+        self._check_finite(finite)
         return out
+
+    def _check_float(self, name: str, t: Tensor) -> Tensor:
+        """Refuse integer storage where the format has float weights (an I16 tensor would load
+        as numbers, not as weights)."""
+        if not t.is_floating_point():
+            full = self._full(name)
+            raise ModelError(f"{self.files[full]}: tensor {full} is stored as "
+                             f"{str(t.dtype).removeprefix('torch.')}, expected floating-point "
+                             "weights: the file does not hold this model's weights")
+        return t
+
+    def _check_finite(self, finite: dict[str, Tensor]) -> None:
+        """Refuse dense weights holding NaN or Inf (one flag per tensor, read back at once)."""
+        flags = torch.stack(list(finite.values())).tolist()  # SYNC: once, at load
+        bad = [name for name, ok in zip(finite, flags) if not ok]
+        if bad:
+            full = self._full(bad[0])
+            more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+            raise ModelError(f"{self.files[full]}: tensor {full}{more} holds NaN or Inf values "
+                             f"(at the load dtype): the checkpoint is damaged; download it again")
 
     def get_shape(self, name: str, shape: tuple[int, ...]) -> None:
         """Check a tensor's shape from the file header, without reading it."""

@@ -42,13 +42,17 @@ NVFP4_DENSE = (".linear_attn.in_proj_qkv.weight", ".linear_attn.in_proj_z.weight
 PLE_TABLES = ("bf16", "fp8")  # the n-gram table as stored: bf16, or fp8 e4m3 with a scalar scale
 PLE_FP8_SCALE = 6 / 448  # as fp32: |x| <= 6 sigma of the N(0, 1) table fits e4m3 (max 448)
 SHARD = ".ngram_embedding.shard_"
+MAX_LAYERS = 512  # --layers of a synthetic model (the real one has 48)
 
 
 def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None = None) -> dict:
     """The text_config of a preset. `tiny` covers every layer type in a few MB; `flash-next` has
     the real geometry except a smaller n-gram table (ngram_vocab_size_base 20 000, not 20 M)."""
+    if layers is not None and not 2 <= layers <= MAX_LAYERS:
+        raise FtchatError(f"--layers {layers}: expected 2 to {MAX_LAYERS} (the PLE layer is "
+                          "layer 2)")
     if preset == "tiny":
-        n = layers or 6
+        n = 6 if layers is None else layers
         cfg = dict(vocab_size=vocab or 512, hidden_size=64, num_attention_heads=4,
                    num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
                    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
@@ -59,7 +63,7 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
                    max_position_embeddings=4096, rope_theta=10000.0)
         types = ["linear_attention", "linear_attention", "linear_attention", "indexed_attention"]
     elif preset == "flash-next":
-        n = layers or 48
+        n = 48 if layers is None else layers
         cfg = dict(vocab_size=vocab or 248320, hidden_size=2560, num_attention_heads=24,
                    num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
                    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
@@ -72,8 +76,6 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
     else:
         raise FtchatError(f"unknown preset {preset!r}: use tiny, flash-next or one of "
                           f"{', '.join(synth_qwen3.PRESETS)}")
-    if n < 2:
-        raise FtchatError("--layers must be at least 2 (the PLE layer is layer 2)")
     theta = cfg.pop("rope_theta")
     cfg.update(
         model_type="qwen4_exp_text", num_hidden_layers=n,

@@ -6,6 +6,7 @@ tokenizer_config.json) for synthetic checkpoints; `Tokenizer` reads any such fol
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -16,7 +17,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, trainers
 
-from ftchat.errors import ModelError
+from ftchat.errors import FtchatError, ModelError
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 THINK, END_THINK = "<think>", "</think>"
@@ -204,6 +205,7 @@ class Tokenizer:
         self.template_vars = template_vars  # the set special-token strings, as transformers passes
         self.special_ids = special_ids  # every added token (content -> id), think tags included
         self.eos_ids = eos_ids  # generation stops on any of these
+        self.thinking_switch = True  # the template reads enable_thinking (from_folder checks)
 
     @classmethod
     def from_folder(cls, folder: Path | str) -> Tokenizer:
@@ -229,12 +231,31 @@ class Tokenizer:
         for name in ("bos_token", "eos_token", "pad_token", "unk_token"):
             if (value := _token_str(config.get(name))) is not None:
                 template_vars[name] = value
-        template = _compile_template(folder, config)
-        return cls(backend, template, template_vars, special_ids, eos_ids)
+        template, source = _compile_template(folder, config)
+        tok = cls(backend, template, template_vars, special_ids, eos_ids)
+        tok.thinking_switch = "enable_thinking" in source
+        return tok
 
     def encode(self, text: str) -> list[int]:
         # Special tokens written in the text (e.g. a rendered prompt) encode as their ids; no BOS.
+        check_unicode(text, "the text")
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def check_vocab(self, vocab_size: int, folder: Path | str) -> None:
+        """Refuse a tokenizer whose ids reach past the model's vocabulary (the embedding rows
+        config.json's vocab_size gives): such an id would index past the table."""
+        top = max(self.backend.get_vocab(with_added_tokens=True).values(), default=-1)
+        if top >= vocab_size:
+            raise ModelError(f"{Path(folder) / 'tokenizer.json'}: token ids go up to {top}, but "
+                             f"the model's vocabulary (config.json vocab_size) has {vocab_size}: "
+                             "the tokenizer does not belong to these weights")
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The UTF-8 length of the longest vocabulary entry: a text of B bytes is at least
+        B / (3 x this) tokens (3: what NFC composition can shrink a text by, at most)."""
+        return max((len(t.encode("utf-8", "replace")) for t in self.backend.get_vocab()),
+                   default=1)
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)
@@ -264,6 +285,16 @@ class Tokenizer:
             raise ModelError(f"chat template failed: {exc}") from exc
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Refuse a lone surrogate (e.g. a JSON "\\ud800", or undecodable bytes in an argument):
+    no tokenizer can encode it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise FtchatError(f"{what} is not valid Unicode: it holds a lone surrogate "
+                          f"U+{ord(text[e.start]):04X} at character {e.start + 1}") from None
+
+
 def _stop_ids(folder: Path, special_ids: dict[str, int]) -> frozenset[int]:
     # <|im_end|> ends a turn, <|endoftext|> a document; generation_config may name more.
     stop = {special_ids[IM_END], special_ids[ENDOFTEXT]}
@@ -291,7 +322,7 @@ def _token_str(value: object) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _compile_template(folder: Path, config: dict) -> jinja2.Template:
+def _compile_template(folder: Path, config: dict) -> tuple[jinja2.Template, str]:
     # As transformers: chat_template.jinja wins over the tokenizer_config entry.
     jinja_file = folder / "chat_template.jinja"
     if jinja_file.exists():
@@ -302,8 +333,11 @@ def _compile_template(folder: Path, config: dict) -> jinja2.Template:
         source = next((t["template"] for t in source if t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise ModelError(f"{origin} has no chat_template")
+    if not source.strip():
+        raise ModelError(f"{origin}: the chat_template is empty; restore the model's template "
+                         "(it turns messages into the prompt)")
     try:
-        return _jinja_env().from_string(source)
+        return _jinja_env().from_string(source), source
     except jinja2.TemplateError as exc:
         raise ModelError(f"bad chat_template in {origin}: {exc}") from exc
 

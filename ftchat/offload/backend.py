@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from ftchat.errors import SettingsError
 from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model.expert_backend import Pending, SharedOut
 from ftchat.codecs.rows import RowLayout
@@ -33,7 +34,7 @@ from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.experts import routed_experts_any
 from ftchat.offload.hooks import BackendView, Hooks
-from ftchat.offload.policy import POLICIES, SCORE_CLOCK0
+from ftchat.offload.policy import MAX_BUDGET, POLICIES, SCORE_CLOCK0
 from ftchat.offload.scores import RouterScores
 from ftchat.offload.streams import CpuStreams, CudaStreams
 
@@ -111,6 +112,11 @@ class OffloadConfig:
 
     @classmethod
     def from_settings(cls, s: Settings, num_slots: int, num_experts: int) -> OffloadConfig:
+        top = min(num_slots, MAX_BUDGET - 1)  # a prefetch plan holds at most this many
+        for flag, b in (("--budget-gdn", s.budget_gdn), ("--budget-attn", s.budget_attn)):
+            if s.prefetch != "off" and b > top:
+                raise SettingsError(f"{flag} {b} (or --budget): expected 0 to {top}, at most "
+                                    f"the {num_slots} expert slots")
         return cls(num_slots, s.eviction, s.prefetch, s.budget_gdn, s.budget_attn,
                    min(s.candidates, num_experts), s.overlap, s.copy_programs)
 

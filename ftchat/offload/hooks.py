@@ -92,4 +92,7 @@ class Hooks:
         return {}
 
     def close(self) -> None:
-        """Release what the hook opened (files)."""
+        """Release what the hook opened (files; a result file is renamed into place)."""
+
+    def discard(self) -> None:
+        """The run failed or was stopped: drop the hook's unfinished output (before `close`)."""

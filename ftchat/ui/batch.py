@@ -20,16 +20,18 @@ from __future__ import annotations
 import json
 import os
 import select
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 from ftchat.errors import FtchatError
+from ftchat.model.tokenizer import check_unicode
 from ftchat.sampling import Sampling
 from ftchat.session import Session, StepRecord, StopText
 from ftchat.settings import Settings
+from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.ui.panel import PanelWriter, PlainWriter, Screen, isatty, timing_parts
-from ftchat.ui.text import ReplyText, one_line, plural, printable
+from ftchat.ui.text import ReplyText, one_line, plural, printable, split_reasoning
 
 # key -> what its value must be (for the messages); "prompt" is the only required key
 JSON_KEYS = {
@@ -41,6 +43,7 @@ JSON_KEYS = {
     "top_k": "an integer >= 0 (0: off)",
     "top_p": "a number above 0 and at most 1",
     "repeat_penalty": "a positive number (1: no penalty)",
+    "min_p": "a number from 0 to 1 (0: off)",
     "seed": "an integer from 0 to 2**63 - 1",
 }
 
@@ -64,6 +67,7 @@ _VALID: dict[str, Callable[[object], bool]] = {
     "top_k": lambda v: _integer(v) and v >= 0,
     "top_p": lambda v: _number(v) and 0 < v <= 1,
     "repeat_penalty": lambda v: _number(v) and v > 0,
+    "min_p": lambda v: _number(v) and 0 <= v <= 1,
     "seed": lambda v: _integer(v) and 0 <= v < 2**63,
 }
 
@@ -77,6 +81,7 @@ class Job:
     max_new_tokens: int | None = None
     stop: tuple[str, ...] | None = None
     sampling: Sampling | None = None
+    source: str = "--prompt"  # where it came from, for its errors ("stdin line 3")
 
     def messages(self) -> list[dict]:
         sys_msg = [{"role": "system", "content": self.system}] if self.system else []
@@ -94,13 +99,15 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
     """The job of one input line (None for a blank line); FtchatError for a bad one."""
     if not line.strip():
         return None
-    if not line.lstrip().startswith("{"):
-        return Job(line, settings.system)
     where = f"stdin line {lineno}"
+    if not line.lstrip().startswith("{"):
+        return Job(line, settings.system, source=where)
     try:
         obj = json.loads(line)
     except ValueError as e:
         raise FtchatError(f"{where}: invalid JSON ({e})") from None
+    except RecursionError:
+        raise FtchatError(f"{where}: the JSON is nested too deeply to read") from None
     if not isinstance(obj, dict):
         raise FtchatError(f"{where}: expected a JSON object")
     unknown = sorted(set(obj) - set(JSON_KEYS))
@@ -113,19 +120,23 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
             what = "empty" if key == "prompt" and isinstance(value, str) else None
             raise FtchatError(f"{where}: \"{key}\" is {what}: give a prompt with some text in it"
                               if what else f"{where}: \"{key}\" must be {JSON_KEYS[key]}")
+    for key in ("prompt", "system", "stop"):
+        texts = obj.get(key, [])
+        for text in [texts] if isinstance(texts, str) else texts:
+            check_unicode(text, f'{where}: "{key}"')
     stop = obj.get("stop")
     base = Sampling.from_settings(settings)
     temperature = obj.get("temperature", base.temperature)
     if not temperature:
-        for key, off in (("top_k", 0), ("top_p", 1), ("seed", None)):
+        for key, off in (("top_k", 0), ("top_p", 1), ("min_p", 0), ("seed", None)):
             if obj.get(key, off) != off:
                 raise FtchatError(f"{where}: \"{key}\" applies to sampling: give \"temperature\" "
                                   "above 0 too (decoding is greedy by default)")
-    sampling = replace(base, **{k: obj[k] for k in ("temperature", "top_k", "top_p",
+    sampling = replace(base, **{k: obj[k] for k in ("temperature", "top_k", "top_p", "min_p",
                                                      "repeat_penalty", "seed") if k in obj})
     return Job(obj["prompt"], obj.get("system", settings.system), obj.get("max_new_tokens"),
                None if stop is None else tuple([stop] if isinstance(stop, str) else stop),
-               sampling)
+               sampling, where)
 
 
 # ===== input as it arrives =====
@@ -143,17 +154,25 @@ class LineSource:
             self.fd: int | None = raw.fileno()
         except (AttributeError, OSError, ValueError):
             self.fd = None
-        self.buf, self.eof, self.lineno = b"", False, 0
+        # bytearray: appends and cuts from the front in place (a bytes buffer was copied whole
+        # per chunk and per line: quadratic on a long input)
+        self.buf, self.eof, self.lineno = bytearray(), False, 0
+        self.scanned = 0  # buf[:scanned] holds no newline
         if self.fd is None:
             data = raw.read()
-            self.buf, self.eof = data.encode() if isinstance(data, str) else data, True
+            self.buf = bytearray(data.encode() if isinstance(data, str) else data)
+            self.eof = True
 
     def _read(self, wait: bool) -> bool:
         """Append one chunk of what stdin holds (wait: block until one comes or EOF); False if
         nothing was there."""
         if self.eof or (not wait and not select.select([self.fd], [], [], 0)[0]):
             return False
-        chunk = os.read(self.fd, 1 << 16)
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except OSError as e:  # a folder or a device given as stdin
+            raise FtchatError(f"cannot read stdin ({e.strerror or e}): pipe prompts into it, "
+                              "one per line") from None
         self.eof = not chunk
         self.buf += chunk
         return True
@@ -161,12 +180,20 @@ class LineSource:
     def next(self, wait: bool) -> str | None | object:
         """The next line (without its newline); PENDING if wait is False and none has arrived
         whole; None at the end of the input."""
-        while b"\n" not in self.buf and not self.eof:
+        while (end := self.buf.find(b"\n", self.scanned)) < 0 and not self.eof:
+            self.scanned = len(self.buf)
+            if len(self.buf) > MAX_LINE_BYTES:  # /dev/zero, or a file with no line breaks:
+                self.buf, self.eof = bytearray(), True  # the input ends here
+                raise FtchatError(f"stdin line {self.lineno + 1} is longer than "
+                                  f"{MAX_LINE_BYTES >> 20} MiB: one prompt per line")
             if not self._read(wait):
                 return PENDING
         if not self.buf and self.eof:
             return None
-        line, _, self.buf = self.buf.partition(b"\n")
+        end = len(self.buf) if end < 0 else end
+        line = bytes(self.buf[:end])
+        del self.buf[:end + 1]
+        self.scanned = 0
         self.lineno += 1
         try:
             text = line.decode("utf-8")
@@ -255,8 +282,18 @@ def run_batch(session: Session, screen: Screen, jobs: JobReader, as_json: bool,
                     out.note(screen.err, f"error: {chunk[0].message}")
                     code = 1
                     continue
-                replies.run(chunk, chunk_no)
-                chunk_no += 1
+                # a prompt too long for the context (or one that renders to nothing) is that
+                # prompt's error: the prompts around it are still answered
+                for part in _encoded(session, chunk):
+                    if isinstance(part, BadLine):
+                        if not as_json:
+                            raise FtchatError(part.message)
+                        replies.error(part.message)
+                        out.note(screen.err, f"error: {part.message}")
+                        code = 1
+                        continue
+                    replies.run(*part, chunk_no)
+                    chunk_no += 1
         except KeyboardInterrupt:
             replies.interrupted()
             code = 130
@@ -265,6 +302,28 @@ def run_batch(session: Session, screen: Screen, jobs: JobReader, as_json: bool,
     if not session.settings.quiet:
         screen.note_parts(_batch_summary(replies.final, replies.chunk_of))
     return code
+
+
+def _encoded(session: Session, chunk: list[Job]
+             ) -> Iterator[tuple[list[Job], list[list[int]]] | BadLine]:
+    """The chunk's jobs with their prompt ids, in runs of good ones, and each job that cannot be
+    answered as a BadLine in its place."""
+    jobs: list[Job] = []
+    ids: list[list[int]] = []
+    for job in chunk:
+        try:
+            p = session.encode_messages(job.messages(), job.source)
+            session.check_prompt(len(p), job.source)
+        except FtchatError as e:
+            if jobs:
+                yield jobs, ids
+                jobs, ids = [], []
+            yield BadLine(str(e))
+            continue
+        jobs.append(job)
+        ids.append(p)
+    if jobs:
+        yield jobs, ids
 
 
 @dataclass
@@ -292,14 +351,14 @@ class _Replies:
         self.head = 0  # its first reply not fully written
         self.started = False  # some of current[0]'s text is written (plain)
 
-    def run(self, chunk: list[Job], chunk_no: int) -> None:
+    def run(self, chunk: list[Job], prompts: list[list[int]], chunk_no: int) -> None:
         s = self.session
         stops = [s.settings.stop if j.stop is None else j.stop for j in chunk]
         self.current = [_Reply(j, chunk_no, None if self.escape is None else
                                ReplyText(s.tokenizer, stop)) for j, stop in zip(chunk, stops)]
         self.head = 0
         records = s.generate_batch(
-            [s.encode_messages(j.messages()) for j in chunk],
+            prompts,
             [j.max_new_tokens or s.settings.max_new_tokens for j in chunk],
             stop_strings=stops, sampling=[j.sampling or Sampling.from_settings(s.settings)
                                           for j in chunk])
@@ -353,17 +412,22 @@ class _Replies:
 
 def json_reply(session: Session, index: int, rec: StepRecord, tokens: list[int],
                job: Job | None = None) -> str:
-    """One reply as a JSON object: index, text (exact: think block kept, cut before a stop
-    string), tokens (every generated id, the stop token included), stop, prompt_tokens,
+    """One reply as a JSON object: index, text (the answer: after the think block, cut before a
+    stop string), reasoning (the think block's text, "" when there is none), tokens (every
+    generated id, the stop token included: the exact reply), stop, prompt_tokens,
     timings, offload figures, peak VRAM, and the seed when it was sampled."""
     stops = session.settings.stop if job is None or job.stop is None else job.stop
     text_ids = tokens[:-1] if rec.stop == "eos" else tokens
     f = rec.figures
     decode_tps = (rec.n - 1) / rec.decode_s if rec.decode_s > 0 else None
     prefill_tps = rec.prompt_tokens / rec.prefill_s if rec.prefill_s > 0 else None
+    reply = StopText.cut(session.tokenizer.decode(text_ids), stops)
+    reasoning, answer = ("", reply) if session.settings.think is False else \
+        split_reasoning(reply)
     obj = {
         "index": index,
-        "text": StopText.cut(session.tokenizer.decode(text_ids), stops),
+        "text": answer,
+        "reasoning": reasoning,
         "tokens": tokens,
         "stop": rec.stop,
         "prompt_tokens": rec.prompt_tokens,

@@ -96,6 +96,9 @@ def run_chat(session: Session, screen: Screen, system: str | None,
         except (EOFError, KeyboardInterrupt) as e:
             _end_prompt_line(screen)  # the shell's prompt starts on a line of its own
             return 0 if isinstance(e, EOFError) else 130
+        except UnicodeDecodeError as e:  # bytes the terminal's encoding cannot read
+            screen.note(f"error: the line typed is not {e.encoding} text; type it again")
+            continue
         command = text.strip()
         if not command:
             continue

@@ -21,7 +21,7 @@ from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
 from ftchat.model.registry import family_of
 from ftchat.resolve import resolve_model
-from ftchat.settings import context_tokens
+from ftchat.settings import MAX_BATCH, context_tokens
 from ftchat.sizes import PREFILL_CHUNK
 from ftchat.vram import search
 from ftchat.vram.items import GIB, Workload
@@ -121,11 +121,13 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     """`ftchat info`: the report, and the VRAM plan when a plan option is given (kv_given:
     --kv-cache-dtype was; kv_cache_dtype: the resolved setting, auto or fp8)."""
     for gib in vram or []:
-        if not gib > 0:
+        if not 0 < gib < float("inf"):  # nan and inf too
             raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
     for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
         if n is not None and n < 1:
             raise FtchatError(f"{flag} {n}: expected a positive integer")
+    if batch is not None and batch > MAX_BATCH:
+        raise FtchatError(f"--batch-size {batch}: expected 1 to {MAX_BATCH:,}")
     if synthetic is not None and model is not None:
         raise FtchatError("give MODEL or --synthetic, not both")
     if synthetic is None and (layers is not None or dense != "bf16"):

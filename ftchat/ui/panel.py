@@ -8,6 +8,7 @@ panel, the unfinished line is part of it, so the two never overwrite each other.
 from __future__ import annotations
 
 import os
+import textwrap
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import TextIO
@@ -201,6 +202,13 @@ class Screen:
         """A status line on stderr (banner, timing summary, notices)."""
         self.err.write(line + "\n")
         self.err.flush()
+
+    def note_words(self, line: str) -> None:
+        """A long status line (the banner), wrapped between words to a terminal's width; one
+        line when stderr is not a terminal."""
+        width = terminal_width(self.err)
+        self.note(line if width is None else
+                  textwrap.fill(line, width, subsequent_indent="  ", break_on_hyphens=False))
 
     def note_parts(self, parts: list[str]) -> None:
         """A ` | `-separated status line, wrapped between parts to fit a terminal's width; one

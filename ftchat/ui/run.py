@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Mapping
 from typing import TextIO
 
 import torch
 
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, SettingsError
 from ftchat.model.config import check_context
 from ftchat.model.registry import load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
+from ftchat.output_file import check_target
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.batch import BadLine, Job, JobReader, LineSource, run_batch
@@ -42,25 +44,45 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
         if not waiting and jobs.ended:
             screen.note("ftchat: no prompts on stdin, nothing to do")
             return 0
+    settings.check_graph()
+    if settings.record_routing is not None:  # before loading: never truncate a file
+        check_target(settings.record_routing, "--record-routing", settings.force)
     apply_threads(settings)
     resolved = resolve_model(model, env)
     session = open_session(resolved, settings, screen, interactive)
     try:
         if jobs is not None:
-            return run_batch(session, screen, jobs, settings.json,
+            code = run_batch(session, screen, jobs, settings.json,
                              one_shot=settings.prompt is not None)
-        if not settings.quiet:
-            screen.note("/help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits")
-        return run_chat(session, screen, settings.system, terminal=Terminal(stdin, stdout),
-                        as_json=settings.json)
-    finally:
-        session.close()
+        else:
+            if not settings.quiet:
+                screen.note("/help for commands, Ctrl-C stops a reply, Ctrl-D or /exit quits")
+            code = run_chat(session, screen, settings.system, terminal=Terminal(stdin, stdout),
+                            as_json=settings.json)
+    except BaseException:  # an error or a signal: no result file is left half-written
+        session.close(complete=False)
+        raise
+    session.close()
+    return code
 
 
 def apply_threads(settings: Settings) -> None:
-    """--threads N: torch's CPU threads (intra-op), before any work."""
+    """--threads N: torch's CPU threads (intra-op), before any work; more than the machine's
+    CPUs is refused (torch hangs or crashes on thousands of threads)."""
     if settings.threads is not None:
+        cpus = usable_cpus()
+        if settings.threads > cpus:
+            raise SettingsError(f"--threads {settings.threads}: this machine gives ftchat "
+                                f"{cpus} CPU{'s' if cpus > 1 else ''}; give 1 to {cpus}")
         torch.set_num_threads(settings.threads)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask where the system has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def plan_run(resolved: ResolvedModel, settings: Settings) -> Settings:
@@ -88,7 +110,7 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
     settings = plan_run(resolved, settings)
     quiet = settings.quiet
     if resolved.demo and not quiet:
-        screen.note(demo_notice(resolved.path))
+        screen.note_words(demo_notice(resolved.path))
     t = time.perf_counter()
     with progress_bar(None if quiet else screen.err, "loading") as progress:
         session = Session.open(resolved.path, settings, progress)
@@ -98,7 +120,11 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
     if session.warms_up() and (interactive or settings.prompt is not None):
         if not quiet:
             screen.note("ftchat: warming up (compiling kernels, capturing the decode graph)")
-        loaded += f", warmed up in {session.warm_up(None if interactive else 1):.1f} s"
+        try:
+            loaded += f", warmed up in {session.warm_up(None if interactive else 1):.1f} s"
+        except BaseException:
+            session.close(complete=False)
+            raise
     if not quiet:
-        screen.note(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
+        screen.note_words(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
     return session

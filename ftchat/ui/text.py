@@ -87,3 +87,22 @@ class ReplyText:
                 return ""
             self.passing = True
             return self._release()
+
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def split_reasoning(reply: str) -> tuple[str, str]:
+    """(reasoning, answer) of a reply to a prompt that opened a think block: the reasoning is
+    the text before the first `</think>` (newlines around it dropped), the answer what follows,
+    without the further `</think>` and blank lines a model may repeat before it. A reply that
+    never closes the block is all answer, reasoning "" (a model that does not reason)."""
+    head, close, rest = reply.partition(THINK_CLOSE)
+    if not close:
+        return "", reply
+    while True:
+        rest = rest.lstrip("\n")
+        if not rest.startswith(THINK_CLOSE):
+            break
+        rest = rest[len(THINK_CLOSE):]
+    return head.removeprefix(THINK_OPEN).strip("\n"), rest

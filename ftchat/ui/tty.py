@@ -105,9 +105,14 @@ class Terminal:
         termios.tcsetattr(self.fd, termios.TCSANOW, quiet)  # TCSANOW: keep typed input
         try:
             yield
-        finally:
-            self.poll()
-            termios.tcsetattr(self.fd, termios.TCSANOW, saved)
+        finally:  # also on SIGTERM/SIGHUP (raised as Terminated): the terminal is restored
+            try:
+                self.poll()
+            finally:
+                try:
+                    termios.tcsetattr(self.fd, termios.TCSANOW, saved)
+                except termios.error:  # the terminal is gone (hung up)
+                    pass
 
     def poll(self) -> None:
         """Take in what has been typed (never waits)."""

@@ -43,8 +43,6 @@ def synthetic_inputs(preset: str, layers: int | None, fmt: str, dense: str = "bf
     if fmt not in synth.FORMATS:
         raise FtchatError(f"--format {fmt!r}: expected {', '.join(synth.FORMATS)}")
     synth.check_dense(dense, fmt)
-    if layers is not None and layers < 2:
-        raise FtchatError("--layers must be at least 2")
     a = synth.model_args(preset, layers, fmt)
     return a, synth.row_layout(a, fmt)
 
