@@ -44,17 +44,7 @@ def create_app(cfg: ServerConfig, worker: EngineWorker, tokenizer: Tokenizer,
     renderer = ChatRenderer(tokenizer)
     created = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        path = request.url.path
-        if cfg.api_key is not None and path not in OPEN_PATHS and not _key_ok(request, cfg):
-            response: Response = _error(ApiError(
-                401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
-                type="authentication_error", code="invalid_api_key"))
-        else:
-            response = await call_next(request)
-        metrics.count_response(path if path in ENDPOINTS else "other", response.status_code)
-        return response
+    app.add_middleware(_Guard, cfg=cfg, metrics=metrics)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -126,11 +116,43 @@ def create_app(cfg: ServerConfig, worker: EngineWorker, tokenizer: Tokenizer,
 # ===== requests =====
 
 
-def _key_ok(request: Request, cfg: ServerConfig) -> bool:
-    given = request.headers.get("authorization", "")
+class _Guard:
+    """ASGI middleware: the API key (when set) and the response count per endpoint. Plain ASGI,
+    not BaseHTTPMiddleware, so a handler still sees its client disconnect."""
+
+    def __init__(self, app, cfg: ServerConfig, metrics: Metrics):
+        self.app, self.cfg, self.metrics = app, cfg, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        if self.cfg.api_key is not None and path not in OPEN_PATHS and not _key_ok(
+                scope, self.cfg.api_key):
+            response = _error(ApiError(
+                401, "missing or wrong API key: send 'Authorization: Bearer KEY'",
+                type="authentication_error", code="invalid_api_key"))
+            self.metrics.count_response(endpoint, 401)
+            return await response(scope, receive, send)
+        status = [500]
+
+        async def sent(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sent)
+        finally:
+            self.metrics.count_response(endpoint, status[0])
+
+
+def _key_ok(scope, key: str) -> bool:
+    given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
     scheme, _, token = given.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                              cfg.api_key.encode())
+                                                              key.encode())
 
 
 async def _read_json(request: Request, limit: int) -> object:
@@ -198,13 +220,18 @@ async def _respond(request: Request, cfg: ServerConfig, worker: EngineWorker, ki
                                  headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
     try:
         text: list[str] = []
+        checked = time.monotonic()
         while True:
             try:
                 ev = await asyncio.wait_for(events.get(), cfg.poll_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:
+                ev = None
+            if time.monotonic() - checked >= cfg.poll_s:  # tokens may arrive faster than that
+                checked = time.monotonic()
                 if await request.is_disconnected():
                     job.cancelled.set()
                     return Response(status_code=499)
+            if ev is None:
                 continue
             if isinstance(ev, Delta):
                 text.append(ev.text)
@@ -265,7 +292,7 @@ async def _stream(events: asyncio.Queue, job: Job, shape: _Shape, gen: Generatio
         while True:
             try:
                 ev = await asyncio.wait_for(events.get(), keepalive_s)
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 yield ": keepalive\n\n"  # a long prefill: the client's read timeout waits on
                 continue
             if isinstance(ev, Delta):
