@@ -150,9 +150,9 @@ SERVE_HELP = "\n\n".join((
     "An OpenAI-compatible HTTP server: POST /v1/chat/completions (streamed or not), POST "
     "/v1/completions, GET /v1/models, GET /health (503 while loading) and GET /metrics "
     "(Prometheus text).",
-    "One engine thread decodes the requests one at a time, in arrival order; up to --queue more "
-    "wait, the next gets 503. A request that continues the last conversation, or shares a "
-    "checkpointed prefix with an earlier one, prefills only its new tokens.",
+    "One engine thread decodes up to --parallel requests together, in arrival order; up to "
+    "--queue more wait, the next gets 503. A request that continues a kept conversation, or "
+    "shares a checkpointed prefix with an earlier one, prefills only its new tokens.",
 ))
 
 
@@ -168,7 +168,7 @@ def serve(
         "--queue", metavar="N", help="Requests that may wait while one decodes; more get 503")
     ] = 8,
     parallel: Annotated[int, typer.Option(
-        "--parallel", metavar="B", help="Sequences decoded together (only 1 so far)")] = 1,
+        "--parallel", metavar="B", help="Requests decoded together (default 2)")] = 2,
     cache_ram: Annotated[float, typer.Option(
         "--cache-ram", metavar="GIB", help="Host memory for prefix-reuse checkpoints (0: off)")
     ] = 2.0,

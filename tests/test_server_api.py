@@ -36,11 +36,14 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference():
-    """`ftchat run --json` replies to the same messages (greedy, and one seeded)."""
+    """`ftchat run --json` replies to the same messages (greedy, and seeded)."""
     lines = [{"prompt": "Who are you?", "max_new_tokens": 8},
              {"prompt": ADD[1]["content"], "system": "Be brief.", "max_new_tokens": 8},
              {"prompt": ADD[1]["content"], "system": "Be brief.", "max_new_tokens": 8,
-              "temperature": 0.9, "seed": 7}]
+              "temperature": 0.9, "seed": 7},
+             {"prompt": ADD[1]["content"], "system": "Be brief.", "max_new_tokens": 30},
+             {"prompt": ADD[1]["content"], "system": "Be brief.", "max_new_tokens": 30,
+              "temperature": 0.9, "seed": 11}]
     return run_json(lines, *FLAGS)
 
 
@@ -222,19 +225,27 @@ def test_a_disconnect_mid_prefill_frees_the_engine(server, client):
     assert time.monotonic() - t < 10
 
 
-def test_queue_full_is_503_and_the_others_are_served(server, client):
-    stream = client.chat.completions.create(model="demo", messages=ADD, max_tokens=60,
-                                            stream=True)
-    next(iter(stream))  # A decodes
+def test_two_decode_one_waits_one_is_refused(server, client, reference):
+    """--parallel 2 --queue 1: A and B decode together, C waits, D gets 503; each reply equals
+    its run alone (B is sampled: its seed replays it beside A)."""
+    a = client.chat.completions.create(model="demo", messages=ADD, max_tokens=30, stream=True)
+    next(iter(a))
+    b = client.chat.completions.create(model="demo", messages=ADD, max_tokens=30, stream=True,
+                                       temperature=0.9, seed=11)
+    next(iter(b))
+    assert _wait(lambda: server.metric("ftchat_requests_running") == 2), server.request("GET", "/metrics")[2]
     waited = {}
-    b = threading.Thread(target=lambda: waited.setdefault("r", client.chat.completions.create(
-        model="demo", messages=ASK, max_tokens=2)))
-    b.start()
-    assert _wait(lambda: server.metric("ftchat_queue_depth") == 1)  # B waits
+    c = threading.Thread(target=lambda: waited.setdefault("r", client.chat.completions.create(
+        model="demo", messages=ASK, max_tokens=8)))
+    c.start()
+    assert _wait(lambda: server.metric("ftchat_queue_depth") == 1)  # C waits
     status, headers, err = server.request("POST", "/v1/chat/completions",
                                           {"messages": ASK, "max_tokens": 2})
     assert status == 503 and err["error"]["code"] == "queue_full"
     assert "x-should-retry" not in headers  # a retry may succeed
-    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
-    b.join(120)
-    assert waited["r"].usage.completion_tokens == 2 and text
+    text_a = "".join(x.choices[0].delta.content or "" for x in a if x.choices)
+    text_b = "".join(x.choices[0].delta.content or "" for x in b if x.choices)
+    c.join(120)
+    assert waited["r"].choices[0].message.content == after_think(reference[0]["text"])
+    assert text_a == after_think(reference[3]["text"])
+    assert text_b == after_think(reference[4]["text"])

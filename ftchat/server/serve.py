@@ -3,6 +3,7 @@ HTTP server already answers /health with 503), then run uvicorn until Ctrl-C."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TextIO
@@ -24,15 +25,14 @@ class ServeOptions:
     port: int = 8080
     api_key: str | None = None
     queue: int = 8  # requests that may wait while one decodes
-    parallel: int = 1  # sequences decoding together
+    parallel: int = 2  # sequences decoding together
     cache_ram_gib: float = 2.0  # host memory for prefix checkpoints
 
 
 def serve(model: str | None, settings: Settings, options: ServeOptions,
           env: Mapping[str, str], stderr: TextIO) -> int:
-    if options.parallel != 1:
-        raise FtchatError(f"--parallel {options.parallel}: decoding several requests together "
-                          "is not implemented yet; requests decode one at a time (--parallel 1)")
+    if options.parallel < 1:
+        raise FtchatError(f"--parallel {options.parallel}: expected 1 or more")
     if options.queue < 0:
         raise FtchatError(f"--queue {options.queue}: expected 0 or more")
     if not 0 < options.port < 65536:
@@ -45,7 +45,8 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
     if resolved.demo:
         log(demo_notice(resolved.path))
     metrics = Metrics()
-    worker = EngineWorker(resolved, settings, options.queue,
+    settings = dataclasses.replace(settings, batch_size=options.parallel)  # slots, VRAM plan
+    worker = EngineWorker(resolved, settings, options.queue, options.parallel,
                           int(options.cache_ram_gib * 2**30), metrics, log)
     app = create_app(ServerConfig(resolved.name, options.api_key), worker, tokenizer, metrics)
     worker.start()

@@ -1,9 +1,13 @@
 """The engine thread: the only thread that calls torch. It loads the model, then serves jobs
-from a bounded FIFO queue one at a time, each through `engine.decode` (the loop every caller
-runs), and hands text back through the job's `emit` (thread-safe: the HTTP layer passes a
-function that puts into its asyncio queue).
+from a bounded FIFO queue, up to `parallel` decoding together in the rows of one `Decoder`, and
+hands text back through each job's `emit` (thread-safe: the HTTP layer passes a function that
+puts into its asyncio queue).
 
-One decode row holds the last conversation; a request that continues it prefills only its new
+A job that arrives while others decode is prefilled into a free row between two decode steps
+(its whole prompt: the others wait for it), then joins the steps. This is engine.decode's loop
+(the same `Decoder.prefill`, `Decoder.step`, `engine.stop_reason` and `Sampler`), written per
+row so that rows join and leave at any step. Each row keeps the conversation it decoded while
+no other request rides along in its place; a request that continues it prefills only its new
 tokens, and one that shares a prefix with a checkpoint (prefix_cache.py) restores it first.
 """
 
@@ -69,23 +73,44 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 
+@dataclass
+class Row:
+    """A request decoding in row `b` of the decoder."""
+
+    job: Job
+    cached: int  # prompt tokens restored, not prefilled
+    length: int  # tokens in the row's state
+    sampler: Sampler | None
+    text: StreamDecoder
+    words: StopText
+    t0: float  # when the job started
+    prefill_s: float = 0.0
+    decode_t0: float = 0.0  # when the first token was chosen
+    decode_tokens: int = 0  # tokens from decode steps
+    generated: list[int] = field(default_factory=list)
+
+
 class EngineWorker:
-    """Loads the model on its own thread, then serves `submit`ted jobs in order."""
+    """Loads the model on its own thread, then serves `submit`ted jobs in arrival order, up to
+    `parallel` of them decoding together (one decode step for all rows; a new job's prompt is
+    prefilled between two steps)."""
 
     def __init__(self, resolved: ResolvedModel, settings: Settings, queue_size: int,
-                 cache_bytes: int, metrics: Metrics, log: Callable[[str], None]):
+                 parallel: int, cache_bytes: int, metrics: Metrics,
+                 log: Callable[[str], None]):
         self.resolved, self.settings = resolved, settings
-        self.queue_size, self.metrics, self.log = queue_size, metrics, log
+        self.queue_size, self.parallel = queue_size, parallel
+        self.metrics, self.log = metrics, log
         self.cache = PrefixCache(cache_bytes)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
         self.admitted = 0  # jobs queued or decoding
-        self.running = False
         self.state = "loading"  # loading | ready | failed
         self.error: str | None = None
         self.max_len = 0
         self.thread = threading.Thread(target=self._main, name="ftchat-engine", daemon=True)
-        self.live: list[int] | None = None  # the tokens decode row 0 holds, when whole
+        self.rows: list[Row | None] = [None] * parallel
+        self.live: list[list[int] | None] = [None] * parallel  # tokens a whole row holds
 
     def start(self) -> None:
         self.thread.start()
@@ -94,14 +119,25 @@ class EngineWorker:
         self.jobs.put(None)
 
     def submit(self, job: Job) -> bool:
-        """Queue `job`; False when the queue is full (busy engine and queue_size waiting)."""
+        """Queue `job`; False when `parallel` jobs decode and `queue_size` wait already."""
         with self.lock:
-            if self.admitted >= self.queue_size + 1:  # one decodes, queue_size wait
+            if self.admitted >= self.queue_size + self.parallel:
                 return False
             self.admitted += 1
-            self.metrics.queue_depth = self.admitted - self.running
+            self._gauges()
         self.jobs.put(job)
         return True
+
+    def _gauges(self) -> None:  # under self.lock
+        running = sum(r is not None for r in self.rows)
+        self.metrics.queue_depth, self.metrics.running = self.admitted - running, running
+
+    def _release(self, b: int | None) -> None:
+        with self.lock:
+            if b is not None:
+                self.rows[b] = None
+            self.admitted -= 1
+            self._gauges()
 
     # ===== the engine thread =====
     def _main(self) -> None:
@@ -112,25 +148,33 @@ class EngineWorker:
             self.log(f"ftchat serve: loading failed: {self.error}")
             return
         self.state = "ready"
-        while (job := self.jobs.get()) is not None:
-            with self.lock:
-                self.running = True
-                self.metrics.queue_depth, self.metrics.running = self.admitted - 1, 1
-            try:
-                if job.cancelled.is_set():
-                    job.emit(Finished("cancelled", len(job.ids), 0, 0, 0.0, 0.0))
-                else:
-                    self._serve(job)
-            except Exception as e:  # noqa: BLE001 - one request fails, the server goes on
-                self.live = None
+        while True:
+            while None in self.rows:  # admit: prefill waiting jobs into free rows
+                idle = all(r is None for r in self.rows)
+                try:
+                    job = self.jobs.get(block=idle)
+                except queue.Empty:
+                    break
+                if job is None:
+                    return
+                self._admit(self._pick_row(job.ids), job)
+            if any(r is not None for r in self.rows):
+                self._guard(None, self._step)
+
+    def _guard(self, job: Job | None, fn, *args) -> None:
+        """Run fn; a failure ends the jobs it touched (`job`, or every decoding one) with an
+        error event, and the server goes on."""
+        try:
+            fn(*args)
+        except Exception as e:  # noqa: BLE001
+            hit = [(b, r.job) for b, r in enumerate(self.rows)
+                   if r is not None and (job is None or r.job is job)]
+            for b, j in hit:
+                self.live[b] = None  # half-written
+                self._release(b)
                 self.metrics.count_request("error")
-                self.log(f"ftchat serve: {job.id}: failed: {type(e).__name__}: {e}")
-                job.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
-            finally:
-                with self.lock:
-                    self.running = False
-                    self.admitted -= 1
-                    self.metrics.queue_depth, self.metrics.running = self.admitted, 0
+                self.log(f"ftchat serve: {j.id}: failed: {type(e).__name__}: {e}")
+                j.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
 
     def _load(self) -> None:
         s = self.settings
@@ -140,9 +184,9 @@ class EngineWorker:
         t = time.perf_counter()
         self.session = Session.open(self.resolved.path, s)
         self.max_len = self.session.max_len
-        self.dec = engine.Decoder(self.session.model, self.session.experts, 1, self.max_len,
-                                  graph=s.use_graph(), prefill_chunk=s.prefill_chunk,
-                                  kv_dtype=s.kv_torch_dtype())
+        self.dec = engine.Decoder(self.session.model, self.session.experts, self.parallel,
+                                  self.max_len, graph=s.use_graph(),
+                                  prefill_chunk=s.prefill_chunk, kv_dtype=s.kv_torch_dtype())
         if self.session.warms_up():  # kernels compiled before the first request
             n = min(WARM_UP_TOKENS, self.max_len)
             self.dec.prefill(0, torch.full((n,), self.session.im_end, dtype=torch.long), 0)
@@ -150,78 +194,129 @@ class EngineWorker:
         self.log(f"ftchat serve: {self.resolved.name}: {self.session.describe()}; loaded in "
                  f"{time.perf_counter() - t:.1f} s")
 
-    def _start(self, ids: list[int]) -> int:
-        """Put row 0 at the longest reusable prefix of `ids`; the tokens it holds."""
-        live = self.live
-        self.live = None  # the row is rewritten from here on
+    def _pick_row(self, ids: list[int]) -> int:
+        """A free row: one whose kept conversation `ids` continues, else one keeping none, else
+        the least useful (the first)."""
+        free = [b for b, r in enumerate(self.rows) if r is None]
+        for b in free:
+            live = self.live[b]
+            if live is not None and len(live) < len(ids) and ids[:len(live)] == live:
+                return b
+        return next((b for b in free if self.live[b] is None), free[0])
+
+    def _start(self, b: int, ids: list[int]) -> int:
+        """Put row b at the longest reusable prefix of `ids`; the tokens it holds."""
+        live, self.live[b] = self.live[b], None  # the row is rewritten from here on
         if live is not None and len(live) < len(ids) and ids[:len(live)] == live:
             return len(live)
-        self.dec.reset(experts=False)
+        self.dec.state.reset(slice(b, b + 1), self.session.model.args.eos_token_id or 0)
         ck = self.cache.best(ids)
         if ck is None:
             return 0
-        restore(self.dec.state, 0, ck)
+        restore(self.dec.state, b, ck)
         return len(ck.tokens)
 
-    def _serve(self, job: Job) -> None:
-        dec, ids, tok = self.dec, job.ids, self.session.tokenizer
-        t0 = time.perf_counter()
+    def _admit(self, b: int, job: Job) -> None:
+        """Prefill job's prompt into row b (between two decode steps) and choose its first
+        token."""
+        if job.cancelled.is_set():
+            self._release(None)
+            job.emit(Finished("cancelled", len(job.ids), 0, 0, 0.0, 0.0))
+            return
+        with self.lock:
+            self.rows[b] = Row(job, 0, 0, None, StreamDecoder(self.session.tokenizer),
+                               StopText(job.stops), time.perf_counter())
+            self._gauges()
+        self._guard(job, self._prefill, b, job)
+
+    def _prefill(self, b: int, job: Job) -> None:
+        dec, ids, row = self.dec, job.ids, self.rows[b]
 
         def check(done: int, total: int) -> None:
             if job.cancelled.is_set():
                 raise Cancelled
 
-        start = cached = self._start(ids)
+        start = row.cached = self._start(b, ids)
         try:
             for cut in job.splits:  # checkpoints inside the prompt
                 if start < cut < len(ids):
                     check(0, 0)
-                    dec.prefill(0, torch.tensor(ids[start:cut]), start, check)
-                    self.cache.add(dec.state, 0, ids[:cut])
+                    dec.prefill(b, torch.tensor(ids[start:cut]), start, check)
+                    self.cache.add(dec.state, b, ids[:cut])
                     start = cut
-            choose = None if job.sampling.greedy else Sampler([job.sampling], [ids],
-                                                                dec.m.device)
-            steps = engine.decode(dec, [ids[start:]], [start], [job.limit],
-                                  tok.eos_ids, choose, on_prefill=check)
-            text, words = StreamDecoder(tok), StopText(job.stops)
-            generated: list[int] = []
-            reason, prefill_s, step = "cancelled", 0.0, None
-            for step in steps:
-                if not generated:
-                    prefill_s = time.perf_counter() - t0
-                    self.cache.add(dec.state, 0, ids)  # the end of the prompt
-                t, reason = step.tokens[0], step.stops[0]
-                generated.append(t)
-                if reason != "eos":
-                    piece = words.feed(text.feed(t))
-                    if words.hit is not None:
-                        reason = "stop_string"
-                    if piece:
-                        job.emit(Delta(piece))
-                if reason is None and job.cancelled.is_set():
-                    reason = "cancelled"
-                if reason is not None:
-                    break
-            steps.close()
+            logits = dec.prefill(b, torch.tensor(ids[start:]), start, check)  # [1, V]
         except Cancelled:
             self.metrics.count_request("cancelled")
-            job.emit(Finished("cancelled", len(ids), cached, 0, time.perf_counter() - t0, 0.0))
-            return  # the row is half-written: self.live stays None
-        rest = words.feed(text.flush()) + words.flush() if reason != "stop_string" else ""
-        if rest:
-            job.emit(Delta(rest))
-        # the state holds the prompt and every generated token but the last (never fed)
-        self.live = ids + generated[:-1]
-        decode_s = step.decode_s if step is not None else 0.0
-        decode_tokens = step.decode_tokens if step is not None else 0
+            self._release(b)
+            job.emit(Finished("cancelled", len(ids), row.cached, 0,
+                              time.perf_counter() - row.t0, 0.0))
+            return  # the row is half-written: its live stays None
+        self.cache.add(dec.state, b, ids)  # the end of the prompt
+        row.length = len(ids)
+        if not job.sampling.greedy:
+            row.sampler = Sampler([job.sampling], [ids], dec.m.device)
+        tok = self._choose(row, logits, 0)
+        row.prefill_s = time.perf_counter() - row.t0
+        row.decode_t0 = time.perf_counter()
+        self._accept(b, row, tok)
+
+    def _choose(self, row: Row, logits: torch.Tensor, b: int) -> int:
+        if row.sampler is None:
+            return int(logits[b].argmax(-1))  # SYNC: the token goes to the host
+        return int(row.sampler(logits[b:b + 1])[0])
+
+    def _step(self) -> None:
+        """One decode step of every row; a free row rides along on a dummy token (its state
+        is no longer a conversation worth keeping)."""
+        eos = self.session.model.args.eos_token_id or 0
+        tokens, lengths = [], []
+        for b, r in enumerate(self.rows):
+            if r is None:
+                self.live[b] = None
+            tokens.append(r.generated[-1] if r is not None else eos)
+            lengths.append(r.length if r is not None else 0)
+        logits = self.dec.step(torch.tensor(tokens, device=self.dec.m.device), lengths)
+        for b, r in enumerate(self.rows):
+            if r is not None:
+                r.length += 1
+                r.decode_tokens += 1
+                self._accept(b, r, self._choose(r, logits, b))
+
+    def _accept(self, b: int, r: Row, tok: int) -> None:
+        """Row b chose `tok`: its text goes out; the row ends on a stop rule or a cancel."""
+        r.generated.append(tok)
+        reason = engine.stop_reason(tok, len(r.generated), r.job.limit, r.length, self.max_len,
+                                    self.session.tokenizer.eos_ids)
+        if reason != "eos":
+            piece = r.words.feed(r.text.feed(tok))
+            if r.words.hit is not None:
+                reason = "stop_string"
+            if piece:
+                r.job.emit(Delta(piece))
+        if reason is None and r.job.cancelled.is_set():
+            reason = "cancelled"
+        if reason is not None:
+            self._finish(b, r, reason)
+
+    def _finish(self, b: int, r: Row, reason: str) -> None:
+        if reason != "stop_string":
+            rest = r.words.feed(r.text.flush()) + r.words.flush()
+            if rest:
+                r.job.emit(Delta(rest))
+        ids = r.job.ids
+        self.live[b] = ids + r.generated[:-1]  # the last token was never fed
+        decode_s = time.perf_counter() - r.decode_t0 if r.decode_tokens else 0.0
         stats = dict(self.session.experts.stats())
-        if dec.m.device.type == "cuda":
-            stats["vram_bytes"] = torch.cuda.memory_allocated(dec.m.device)
-        self.metrics.record(len(ids), cached, len(generated), prefill_s, len(ids) - cached,
-                            decode_s, decode_tokens, stats, reason)
-        self.log(_log_line(job.id, len(ids), cached, len(generated), prefill_s,
-                           len(ids) - cached, decode_s, decode_tokens, stats, reason))
-        job.emit(Finished(reason, len(ids), cached, len(generated), prefill_s, decode_s))
+        if self.dec.m.device.type == "cuda":
+            stats["vram_bytes"] = torch.cuda.memory_allocated(self.dec.m.device)
+        prefilled = len(ids) - r.cached
+        self.metrics.record(len(ids), r.cached, len(r.generated), r.prefill_s, prefilled,
+                            decode_s, r.decode_tokens, stats, reason)
+        self.log(_log_line(r.job.id, len(ids), r.cached, len(r.generated), r.prefill_s,
+                           prefilled, decode_s, r.decode_tokens, stats, reason))
+        self._release(b)
+        r.job.emit(Finished(reason, len(ids), r.cached, len(r.generated), r.prefill_s,
+                            decode_s))
 
 
 def _log_line(rid, prompt, cached, generated, prefill_s, prefilled, decode_s, decoded, stats,
