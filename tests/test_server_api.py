@@ -18,6 +18,7 @@ KEY = "test-key-1"
 FLAGS = ("--context", "512", "--prefill-chunk", "32")  # small context, chunked prefill
 DEMO = ROOT / "ftchat" / "models" / "demo"
 ASK = [{"role": "user", "content": "Who are you?"}]
+LONG = "Read this list and say what it holds: " + ", ".join(f"item {i}" for i in range(60))
 ADD = [{"role": "system", "content": "Be brief."},
        {"role": "user", "content": "Write a function that adds two numbers."}]
 
@@ -43,7 +44,8 @@ def reference():
               "temperature": 0.9, "seed": 7},
              {"prompt": ADD[1]["content"], "system": "Be brief.", "max_new_tokens": 30},
              {"prompt": ADD[1]["content"], "system": "Be brief.", "max_new_tokens": 30,
-              "temperature": 0.9, "seed": 11}]
+              "temperature": 0.9, "seed": 11},
+             {"prompt": LONG, "max_new_tokens": 6}]
     return run_json(lines, *FLAGS)
 
 
@@ -249,3 +251,18 @@ def test_two_decode_one_waits_one_is_refused(server, client, reference):
     assert waited["r"].choices[0].message.content == after_think(reference[0]["text"])
     assert text_a == after_think(reference[3]["text"])
     assert text_b == after_think(reference[4]["text"])
+
+
+def test_a_long_prompt_prefills_between_the_decode_steps(server, client, reference):
+    """B's prompt (7 chunks of 32 tokens) is prefilled while A decodes: both replies equal
+    their runs alone."""
+    steps = server.metric("ftchat_interleaved_decode_steps_total")
+    a = client.chat.completions.create(model="demo", messages=ADD, max_tokens=30, stream=True)
+    next(iter(a))
+    assert _wait(lambda: server.metric("ftchat_requests_running") == 1)
+    b = client.chat.completions.create(model="demo", max_tokens=6,
+                                       messages=[{"role": "user", "content": LONG}])
+    text_a = "".join(x.choices[0].delta.content or "" for x in a if x.choices)
+    assert b.choices[0].message.content == after_think(reference[5]["text"])
+    assert text_a == after_think(reference[3]["text"])
+    assert server.metric("ftchat_interleaved_decode_steps_total") > steps

@@ -25,6 +25,7 @@ class Metrics:
         self.last_prefill_tps: float | None = None
         self.last_decode_tps: float | None = None
         self.backend: dict[str, float] = {}
+        self.interleaved = 0  # decode steps run while a prompt was half prefilled
 
     def record(self, prompt: int, cached: int, generated: int, prefill_s: float,
                prefilled: int, decode_s: float, decoded: int, backend: dict, reason: str):
@@ -46,6 +47,10 @@ class Metrics:
     def count_request(self, reason: str) -> None:
         with self.lock:
             self.requests[reason] += 1
+
+    def count_interleaved(self) -> None:
+        with self.lock:
+            self.interleaved += 1
 
     def count_response(self, endpoint: str, status: int) -> None:
         with self.lock:
@@ -69,6 +74,9 @@ class Metrics:
             metric("http_responses_total", "counter", "HTTP responses by endpoint and status.",
                    [(f'{{endpoint="{e}",status="{s}"}}', n)
                     for (e, s), n in sorted(self.responses.items())])
+            metric("interleaved_decode_steps_total", "counter",
+                   "Decode steps run between two prefill chunks of a new prompt.",
+                   [("", self.interleaved)])
             metric("prompt_tokens_total", "counter", "Prompt tokens of finished requests.",
                    [("", self.prompt_tokens)])
             metric("cached_prompt_tokens_total", "counter",

@@ -61,12 +61,21 @@ def restore(state: DecodeState, row: int, ck: Checkpoint) -> None:
         dst.copy_(src)
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def _recurrent_views(state: DecodeState, row: int) -> list[Tensor]:
+    """Row `row` of every state tensor but the positional attention caches."""
+    out = [t[row] for c in state.caches() if not isinstance(c, AttentionCache)
+           for t in c.tensors()]
+    return [*out, state.ple_ctx[row]]
+
+
+def save_recurrent(state: DecodeState, row: int) -> list[Tensor]:
+    """A copy (on the state's device) of the row's recurrent state: GDN, conv, PLE context."""
+    return [t.clone() for t in _recurrent_views(state, row)]
+
+
+def restore_recurrent(state: DecodeState, row: int, parts: list[Tensor]) -> None:
+    for dst, src in zip(_recurrent_views(state, row), parts, strict=True):
+        dst.copy_(src)
 
 
 class PrefixCache:

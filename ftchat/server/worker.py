@@ -29,9 +29,11 @@ from ftchat.model.tokenizer import StreamDecoder
 from ftchat.resolve import ResolvedModel
 from ftchat.sampling import Sampler, Sampling
 from ftchat.server.metrics import Metrics
-from ftchat.server.prefix_cache import PrefixCache, restore
+from ftchat.server.prefix_cache import (PrefixCache, restore, restore_recurrent,
+                                        save_recurrent)
 from ftchat.session import Session, StopText
 from ftchat.settings import Settings
+from ftchat.sizes import PREFILL_CHUNK
 from ftchat.ui.run import apply_threads, plan_run
 
 WARM_UP_TOKENS = 8
@@ -88,6 +90,8 @@ class Row:
     decode_t0: float = 0.0  # when the first token was chosen
     decode_tokens: int = 0  # tokens from decode steps
     generated: list[int] = field(default_factory=list)
+    pieces: list[tuple[int, int, bool]] = field(default_factory=list)  # prefill chunks to run:
+    # (from, to, checkpoint after)
 
 
 class EngineWorker:
@@ -149,7 +153,7 @@ class EngineWorker:
             return
         self.state = "ready"
         while True:
-            while None in self.rows:  # admit: prefill waiting jobs into free rows
+            while None in self.rows:  # admit waiting jobs into free rows
                 idle = all(r is None for r in self.rows)
                 try:
                     job = self.jobs.get(block=idle)
@@ -158,7 +162,11 @@ class EngineWorker:
                 if job is None:
                     return
                 self._admit(self._pick_row(job.ids), job)
-            if any(r is not None for r in self.rows):
+            filling = [b for b, r in enumerate(self.rows) if r is not None and r.pieces]
+            if filling:  # one prefill chunk of the oldest prompt, then a decode step
+                b = min(filling, key=lambda b: self.rows[b].t0)
+                self._guard(self.rows[b].job, self._prefill_chunk, b)
+            if any(r is not None and not r.pieces for r in self.rows):
                 self._guard(None, self._step)
 
     def _guard(self, job: Job | None, fn, *args) -> None:
@@ -217,44 +225,46 @@ class EngineWorker:
         return len(ck.tokens)
 
     def _admit(self, b: int, job: Job) -> None:
-        """Prefill job's prompt into row b (between two decode steps) and choose its first
-        token."""
+        """Give job row b: restore the longest reusable prefix, and plan the prefill of the
+        rest in chunks (the decode steps of the other rows run between them)."""
         if job.cancelled.is_set():
             self._release(None)
             job.emit(Finished("cancelled", len(job.ids), 0, 0, 0.0, 0.0))
             return
+        row = Row(job, 0, 0, None, StreamDecoder(self.session.tokenizer), StopText(job.stops),
+                  time.perf_counter())
         with self.lock:
-            self.rows[b] = Row(job, 0, 0, None, StreamDecoder(self.session.tokenizer),
-                               StopText(job.stops), time.perf_counter())
+            self.rows[b] = row
             self._gauges()
-        self._guard(job, self._prefill, b, job)
-
-    def _prefill(self, b: int, job: Job) -> None:
-        dec, ids, row = self.dec, job.ids, self.rows[b]
-
-        def check(done: int, total: int) -> None:
-            if job.cancelled.is_set():
-                raise Cancelled
-
-        start = row.cached = self._start(b, ids)
         try:
-            for cut in job.splits:  # checkpoints inside the prompt
-                if start < cut < len(ids):
-                    check(0, 0)
-                    dec.prefill(b, torch.tensor(ids[start:cut]), start, check)
-                    self.cache.add(dec.state, b, ids[:cut])
-                    start = cut
-            logits = dec.prefill(b, torch.tensor(ids[start:]), start, check)  # [1, V]
-        except Cancelled:
+            start = row.cached = self._start(b, job.ids)
+        except Exception as e:  # noqa: BLE001 - the restore failed: this job ends
+            self._guard(job, _raise, e)
+            return
+        chunk = self.dec.prefill_chunk or PREFILL_CHUNK
+        for cut in [*(c for c in job.splits if start < c < len(job.ids)), len(job.ids)]:
+            # a checkpoint at each cut: the system prefix, the history, the whole prompt
+            row.pieces += [(i, min(i + chunk, cut), i + chunk >= cut)
+                           for i in range(start, cut, chunk)]
+            start = cut
+
+    def _prefill_chunk(self, b: int) -> None:
+        dec, row = self.dec, self.rows[b]
+        ids, (i, j, checkpoint) = row.job.ids, row.pieces.pop(0)
+        if row.job.cancelled.is_set():
             self.metrics.count_request("cancelled")
-            self._release(b)
-            job.emit(Finished("cancelled", len(ids), row.cached, 0,
-                              time.perf_counter() - row.t0, 0.0))
-            return  # the row is half-written: its live stays None
-        self.cache.add(dec.state, b, ids)  # the end of the prompt
+            self._release(b)  # the row is half-written: its live stays None
+            row.job.emit(Finished("cancelled", len(ids), row.cached, 0,
+                                  time.perf_counter() - row.t0, 0.0))
+            return
+        logits = dec.prefill(b, torch.tensor(ids[i:j]), i)  # [1, V] of token j - 1
+        if checkpoint:
+            self.cache.add(dec.state, b, ids[:j])
+        if row.pieces:
+            return
         row.length = len(ids)
-        if not job.sampling.greedy:
-            row.sampler = Sampler([job.sampling], [ids], dec.m.device)
+        if not row.job.sampling.greedy:
+            row.sampler = Sampler([row.job.sampling], [ids], dec.m.device)
         tok = self._choose(row, logits, 0)
         row.prefill_s = time.perf_counter() - row.t0
         row.decode_t0 = time.perf_counter()
@@ -266,18 +276,26 @@ class EngineWorker:
         return int(row.sampler(logits[b:b + 1])[0])
 
     def _step(self) -> None:
-        """One decode step of every row; a free row rides along on a dummy token (its state
-        is no longer a conversation worth keeping)."""
-        eos = self.session.model.args.eos_token_id or 0
-        tokens, lengths = [], []
+        """One decode step of every row. A free row rides along on a dummy token (its state is
+        no longer a conversation worth keeping); a row whose prompt is half prefilled rides
+        along at the last position of the context (K/V written there are rewritten before
+        they are read) with its recurrent state saved before the step and put back after."""
+        eos, last = self.session.model.args.eos_token_id or 0, self.max_len - 1
+        tokens, lengths, saved = [], [], []
         for b, r in enumerate(self.rows):
             if r is None:
                 self.live[b] = None
-            tokens.append(r.generated[-1] if r is not None else eos)
-            lengths.append(r.length if r is not None else 0)
+            elif r.pieces:
+                saved.append((b, save_recurrent(self.dec.state, b)))
+                self.metrics.count_interleaved()
+            decoding = r is not None and not r.pieces
+            tokens.append(r.generated[-1] if decoding else eos)
+            lengths.append(r.length if decoding else last if r is not None else 0)
         logits = self.dec.step(torch.tensor(tokens, device=self.dec.m.device), lengths)
+        for b, parts in saved:
+            restore_recurrent(self.dec.state, b, parts)
         for b, r in enumerate(self.rows):
-            if r is not None:
+            if r is not None and not r.pieces:
                 r.length += 1
                 r.decode_tokens += 1
                 self._accept(b, r, self._choose(r, logits, b))
@@ -317,6 +335,10 @@ class EngineWorker:
         self._release(b)
         r.job.emit(Finished(reason, len(ids), r.cached, len(r.generated), r.prefill_s,
                             decode_s))
+
+
+def _raise(e: Exception) -> None:
+    raise e
 
 
 def _log_line(rid, prompt, cached, generated, prefill_s, prefilled, decode_s, decoded, stats,
