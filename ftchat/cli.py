@@ -165,10 +165,10 @@ def serve(
         "--api-key", metavar="KEY", help="Require 'Authorization: Bearer KEY' (env "
         "FTCHAT_API_KEY); /health stays open")] = None,
     queue: Annotated[int, typer.Option(
-        "--queue", metavar="N", help="Requests that may wait while one decodes; more get 503")
+        "--queue", metavar="N", help="Requests that may wait while --parallel decode; more get 503")
     ] = 8,
     parallel: Annotated[int, typer.Option(
-        "--parallel", metavar="B", help="Requests decoded together (default 2)")] = 2,
+        "--parallel", metavar="B", help="Requests decoded together")] = 2,
     cache_ram: Annotated[float, typer.Option(
         "--cache-ram", metavar="GIB", help="Host memory for prefix-reuse checkpoints (0: off)")
     ] = 2.0,

@@ -199,3 +199,15 @@ def test_tools_go_to_a_template_that_renders_them(tmp_path):
     assert r.template_tools and r.xml_form
     p = r.prompt([{"role": "user", "content": "hi"}], [WEATHER], {"enable_thinking": False})
     assert p.text.startswith("TOOLS:get_weather;") and not p.think_open
+
+
+def test_prefill_plan():
+    from ftchat.server.worker import plan_prefill
+
+    assert plan_prefill(0, 10, (), 4) == [(0, 4, False), (4, 8, False), (8, 10, True)]
+    assert plan_prefill(0, 10, (3, 10, 12), 4) == [(0, 3, True), (3, 7, False), (7, 10, True)]
+    assert plan_prefill(5, 10, (3, 7), 8) == [(5, 7, True), (7, 10, True)]  # 3: restored
+    long = plan_prefill(100, 20000, (), 1024)
+    assert [p[1] for p in long if p[2]] == [8192, 16384, 20000]
+    assert long[0] == (100, 1124, False) and all(b - a <= 1024 for a, b, _ in long)
+    assert all(long[i][1] == long[i + 1][0] for i in range(len(long) - 1))

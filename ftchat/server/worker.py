@@ -17,7 +17,7 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ from ftchat.sizes import PREFILL_CHUNK
 from ftchat.ui.run import apply_threads, plan_run
 
 WARM_UP_TOKENS = 8
+CHECKPOINT_EVERY = 8192  # tokens of a long prefill between two state checkpoints
 
 
 class Cancelled(Exception):
@@ -241,12 +242,8 @@ class EngineWorker:
         except Exception as e:  # noqa: BLE001 - the restore failed: this job ends
             self._guard(job, _raise, e)
             return
-        chunk = self.dec.prefill_chunk or PREFILL_CHUNK
-        for cut in [*(c for c in job.splits if start < c < len(job.ids)), len(job.ids)]:
-            # a checkpoint at each cut: the system prefix, the history, the whole prompt
-            row.pieces += [(i, min(i + chunk, cut), i + chunk >= cut)
-                           for i in range(start, cut, chunk)]
-            start = cut
+        row.pieces = plan_prefill(start, len(job.ids), job.splits,
+                                  self.dec.prefill_chunk or PREFILL_CHUNK)
 
     def _prefill_chunk(self, b: int) -> None:
         dec, row = self.dec, self.rows[b]
@@ -335,6 +332,21 @@ class EngineWorker:
         self._release(b)
         r.job.emit(Finished(reason, len(ids), r.cached, len(r.generated), r.prefill_s,
                             decode_s))
+
+
+def plan_prefill(start: int, total: int, splits: Sequence[int], chunk: int,
+                 every: int = CHECKPOINT_EVERY) -> list[tuple[int, int, bool]]:
+    """The prefill of tokens [start, total) as (from, to, checkpoint after) pieces of at most
+    `chunk` tokens: a checkpoint at each split (the system prefix, the history), every `every`
+    tokens of a long prompt, and at its end; a piece never crosses one of them."""
+    cuts = {c for c in splits if start < c < total}
+    cuts.update(range(every, total, every))
+    cuts = sorted(c for c in cuts if c > start) + [total]
+    pieces = []
+    for cut in cuts:
+        pieces += [(i, min(i + chunk, cut), i + chunk >= cut) for i in range(start, cut, chunk)]
+        start = cut
+    return pieces
 
 
 def _raise(e: Exception) -> None:
