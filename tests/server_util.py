@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclass
 class Server:
-    proc: subprocess.Popen
+    proc: subprocess.Popen | None  # None: a server this process runs
     port: int
     log: Path
     key: str | None = None
@@ -91,7 +91,7 @@ def wait_ready(server: Server, timeout: float = 180) -> list[int]:
     """Poll /health until 200; the statuses seen on the way."""
     seen, end = [], time.monotonic() + timeout
     while time.monotonic() < end:
-        if server.proc.poll() is not None:
+        if server.proc is not None and server.proc.poll() is not None:
             raise RuntimeError(f"ftchat serve exited: {server.log.read_text()}")
         try:
             status = server.request("GET", "/health", key=False, timeout=5)[0]

@@ -1,11 +1,13 @@
 """The SSE writer of `ftchat serve` on events it is handed: a comment while nothing comes (a
 long prefill), an error event then the end when the engine fails midway, and the job cancelled
-when the stream stops early."""
+when the stream stops early; and the server in this process answering 503 while its real
+engine worker has not loaded the model yet."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 from ftchat.sampling import Sampling
 from ftchat.server.app import _Shape, _stream
@@ -62,3 +64,51 @@ def test_closing_the_stream_cancels_the_job():
     assert len(out) == 2 and job.cancelled.is_set()
     whole, job2 = collect([Delta("a"), Finished("eos", 2, 0, 1, 0, 0)], [0, 0], 5.0)
     assert whole[-1] == "data: [DONE]\n\n"
+
+
+def test_loading_answers_503_then_ready(tmp_path):
+    """A real engine worker, started only after the HTTP server answers: /health and the
+    completions say 503 (retry allowed) while it loads, then 200."""
+    import threading
+
+    import uvicorn
+
+    from ftchat.model.tokenizer import Tokenizer
+    from ftchat.resolve import ResolvedModel
+    from ftchat.server.app import ServerConfig, create_app
+    from ftchat.server.metrics import Metrics
+    from ftchat.server.worker import EngineWorker
+    from ftchat.settings import Settings
+    from tests.server_util import ROOT, Server, free_port, wait_ready
+
+    demo = ROOT / "ftchat" / "models" / "demo"
+    metrics = Metrics()
+    worker = EngineWorker(ResolvedModel(demo, "demo", demo=True), Settings(threads=1), 1, 1, 0,
+                          metrics, lambda line: None)
+    app = create_app(ServerConfig("demo"), worker, Tokenizer.from_folder(demo), metrics)
+    port = free_port()
+    userver = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                            log_level="warning"))
+    thread = threading.Thread(target=userver.run, daemon=True)
+    thread.start()
+    server = Server(None, port, tmp_path / "none.log")
+    try:
+        for _ in range(100):
+            if userver.started:
+                break
+            time.sleep(0.05)
+        status, headers, err = server.request("GET", "/health")
+        assert status == 503 and err["error"]["code"] == "loading"
+        assert "x-should-retry" not in headers
+        status, _, err = server.request("POST", "/v1/chat/completions",
+                                        {"messages": [{"role": "user", "content": "hi"}]})
+        assert status == 503 and err["error"]["code"] == "loading"
+        worker.start()
+        assert wait_ready(server)[-1] == 200
+        status, _, body = server.request("POST", "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert status == 200 and body["usage"]["completion_tokens"] == 2
+    finally:
+        worker.stop()
+        userver.should_exit = True
+        thread.join(10)
