@@ -25,6 +25,7 @@ class Metrics:
         self.last_prefill_tps: float | None = None
         self.last_decode_tps: float | None = None
         self.backend: dict[str, float] = {}
+        self.cache_bytes = 0  # prefix checkpoints held in host memory
         self.interleaved = 0  # decode steps run while a prompt was half prefilled
 
     def record(self, prompt: int, cached: int, generated: int, prefill_s: float,
@@ -74,6 +75,9 @@ class Metrics:
             metric("http_responses_total", "counter", "HTTP responses by endpoint and status.",
                    [(f'{{endpoint="{e}",status="{s}"}}', n)
                     for (e, s), n in sorted(self.responses.items())])
+            metric("prefix_cache_bytes", "gauge",
+                   "Host memory held by prefix-reuse checkpoints (bounded by --cache-ram).",
+                   [("", self.cache_bytes)])
             metric("interleaved_decode_steps_total", "counter",
                    "Decode steps run between two prefill chunks of a new prompt.",
                    [("", self.interleaved)])

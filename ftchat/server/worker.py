@@ -257,6 +257,7 @@ class EngineWorker:
         logits = dec.prefill(b, torch.tensor(ids[i:j]), i)  # [1, V] of token j - 1
         if checkpoint:
             self.cache.add(dec.state, b, ids[:j])
+            self.metrics.cache_bytes = self.cache.nbytes
         if row.pieces:
             return
         row.length = len(ids)
