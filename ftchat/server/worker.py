@@ -3,8 +3,8 @@ from a bounded FIFO queue, up to `parallel` decoding together in the rows of one
 hands text back through each job's `emit` (thread-safe: the HTTP layer passes a function that
 puts into its asyncio queue).
 
-A job that arrives while others decode is prefilled into a free row between two decode steps
-(its whole prompt: the others wait for it), then joins the steps. This is engine.decode's loop
+A job that arrives while others decode is prefilled into a free row one chunk at a time, one
+chunk between two of their decode steps, then joins the steps. This is engine.decode's loop
 (the same `Decoder.prefill`, `Decoder.step`, `engine.stop_reason` and `Sampler`), written per
 row so that rows join and leave at any step. Each row keeps the conversation it decoded while
 no other request rides along in its place; a request that continues it prefills only its new
@@ -14,7 +14,6 @@ tokens, and one that shares a prefix with a checkpoint (prefix_cache.py) restore
 from __future__ import annotations
 
 import queue
-import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,10 +37,6 @@ from ftchat.ui.run import apply_threads, plan_run
 
 WARM_UP_TOKENS = 8
 CHECKPOINT_EVERY = 8192  # tokens of a long prefill between two state checkpoints
-
-
-class Cancelled(Exception):
-    """The client went away: the job stops where it is."""
 
 
 @dataclass(frozen=True)
@@ -98,7 +93,7 @@ class Row:
 class EngineWorker:
     """Loads the model on its own thread, then serves `submit`ted jobs in arrival order, up to
     `parallel` of them decoding together (one decode step for all rows; a new job's prompt is
-    prefilled between two steps)."""
+    prefilled one chunk between two steps)."""
 
     def __init__(self, resolved: ResolvedModel, settings: Settings, queue_size: int,
                  parallel: int, cache_bytes: int, metrics: Metrics,
@@ -362,7 +357,3 @@ def _log_line(rid, prompt, cached, generated, prefill_s, prefilled, decode_s, de
     misses = f", {mpt:.2f} misses/token" if mpt is not None else ""
     return (f"ftchat serve: {rid}: prompt {prompt} (cached {cached}), generated {generated}, "
             f"prefill {pf} tok/s, decode {dc} tok/s{misses}, stop {reason}")
-
-
-def stderr_log(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
