@@ -157,6 +157,54 @@ def _read_prompt_file(path: Path) -> str:
     return text.removesuffix("\n")
 
 
+SERVE_HELP = "\n\n".join((
+    "An OpenAI-compatible HTTP server: POST /v1/chat/completions (streamed or not), POST "
+    "/v1/completions, GET /v1/models, GET /health (503 while loading) and GET /metrics "
+    "(Prometheus text).",
+    "One engine thread decodes up to --parallel requests together, in arrival order; up to "
+    "--queue more wait, the next gets 503. A request that continues a kept conversation, or "
+    "shares a checkpointed prefix with an earlier one, prefills only its new tokens.",
+))
+
+
+@app.command(cls=_Command, help=SERVE_HELP)
+def serve(
+    model: Model = None,
+    host: Annotated[str, typer.Option(metavar="ADDR", help="Address to bind")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(metavar="N", help="Port to bind")] = 8080,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", metavar="KEY", help="Require 'Authorization: Bearer KEY' (env "
+        "FTCHAT_API_KEY); /health stays open")] = None,
+    queue: Annotated[int, typer.Option(
+        "--queue", metavar="N", help="Requests that may wait while --parallel decode; more get 503")
+    ] = 8,
+    parallel: Annotated[int, typer.Option(
+        "--parallel", metavar="B", help="Requests decoded together")] = 2,
+    cache_ram: Annotated[float, typer.Option(
+        "--cache-ram", metavar="GIB", help="Host memory for prefix-reuse checkpoints (0: off)")
+    ] = 2.0,
+    context: Context = None, prefill_chunk: PrefillChunk = None, device: Device = None,
+    dtype: Dtype = None, kv_cache_dtype: KvCacheDtype = None, threads: Threads = None,
+    slots: Slots = None, expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
+    graph: Graph = None, kernels: Kernels = None, pdl: Pdl = None,
+    prefetch: Prefetch = None, budget: Budget = None, budget_gdn: BudgetGdn = None,
+    budget_attn: BudgetAttn = None, candidates: Candidates = None, eviction: Eviction = None,
+    overlap: Overlap = None, copy_programs: CopyPrograms = None,
+) -> None:
+    settings = resolve_settings(dict(
+        context=context, prefill_chunk=prefill_chunk, device=device, dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype, threads=threads, slots=slots, expert_vram=expert_vram,
+        vram_budget=vram_budget, graph=graph, kernels=kernels, pdl=pdl,
+        prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
+        candidates=candidates, eviction=eviction, overlap=overlap, copy_programs=copy_programs,
+    ), os.environ)
+    from ftchat.server.serve import ServeOptions, serve as serve_http
+
+    key = api_key if api_key is not None else os.environ.get("FTCHAT_API_KEY") or None
+    options = ServeOptions(host, port, key, queue, parallel, cache_ram)
+    raise typer.Exit(serve_http(model, settings, options, os.environ, sys.stderr))
+
+
 @app.command(cls=_Command)
 def synth(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="New folder to write")],

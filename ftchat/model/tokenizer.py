@@ -265,6 +265,7 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         enable_thinking: bool | None = None,
+        variables: dict | None = None,
     ) -> str:
         """Render messages with the folder's chat template (same text as transformers').
 
@@ -272,14 +273,16 @@ class Tokenizer:
             messages: [{"role": "system"|"user"|"assistant", "content": str}, ...].
             add_generation_prompt: end with the opening of an assistant turn.
             enable_thinking: False closes an empty think block; None leaves the template default.
+            variables: more template variables (`tools`, a request's chat_template_kwargs).
         """
-        extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+        extra = dict(variables or {})
+        if enable_thinking is not None:
+            extra["enable_thinking"] = enable_thinking
         try:
             return self.template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                **self.template_vars,
-                **extra,
+                **{**self.template_vars, **extra},
             )
         except jinja2.TemplateError as exc:
             raise ModelError(f"chat template failed: {exc}") from exc

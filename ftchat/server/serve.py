@@ -1,0 +1,61 @@
+"""`ftchat serve`: resolve the model, start the engine thread (it loads the model while the
+HTTP server already answers /health with 503), then run uvicorn until Ctrl-C."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TextIO
+
+import uvicorn
+
+from ftchat.errors import FtchatError
+from ftchat.model.tokenizer import Tokenizer
+from ftchat.resolve import demo_notice, resolve_model
+from ftchat.server.app import ServerConfig, create_app
+from ftchat.server.metrics import Metrics
+from ftchat.server.worker import EngineWorker
+from ftchat.settings import Settings
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    queue: int = 8  # requests that may wait while one decodes
+    parallel: int = 2  # sequences decoding together
+    cache_ram_gib: float = 2.0  # host memory for prefix checkpoints
+
+
+def serve(model: str | None, settings: Settings, options: ServeOptions,
+          env: Mapping[str, str], stderr: TextIO) -> int:
+    if options.parallel < 1:
+        raise FtchatError(f"--parallel {options.parallel}: expected 1 or more")
+    if options.queue < 0:
+        raise FtchatError(f"--queue {options.queue}: expected 0 or more")
+    if not 0 < options.port < 65536:
+        raise FtchatError(f"--port {options.port}: expected 1 to 65535")
+    if options.cache_ram_gib < 0:
+        raise FtchatError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
+    resolved = resolve_model(model, env)
+    tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
+    log = lambda line: print(line, file=stderr, flush=True)  # noqa: E731
+    if resolved.demo:
+        log(demo_notice(resolved.path))
+    metrics = Metrics()
+    settings = dataclasses.replace(settings, batch_size=options.parallel)  # slots, VRAM plan
+    worker = EngineWorker(resolved, settings, options.queue, options.parallel,
+                          int(options.cache_ram_gib * 2**30), metrics, log)
+    app = create_app(ServerConfig(resolved.name, options.api_key), worker, tokenizer, metrics)
+    worker.start()
+    log(f"ftchat serve: http://{options.host}:{options.port}/v1 (model loading; /health says "
+        "when it is ready)")
+    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
+                            timeout_graceful_shutdown=1)
+    try:
+        uvicorn.Server(config).run()
+    finally:
+        worker.stop()
+    return 0
