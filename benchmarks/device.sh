@@ -15,7 +15,8 @@
 #              NVFP4), arms side by side in one process [ARMS='resident;resident:fused=0',
 #              CTX=4k,32k, STEPS=16, ROUNDS=3, DECODE_S=540] -> decode48_resident.json
 #   offload48  the same offloaded at SLOTS=1650 [ARMS='resident;off;on;on:budget=4',
-#              CTX=32k,255k] -> decode48_offload.json
+#              CTX=32k,255k, ROUTING=model (or calibrated[:FIT], trace:FILE: bench --routing)]
+#              -> decode48_offload.json
 #   prefill48  prompt prefill tok/s at 48 layers, offloaded at 1,650 slots (staging, layer
 #              streaming) and resident: benchmarks/profile_prefill.py [LENGTHS=32768 (a comma
 #              list: one process each), CHUNKS=8192, PREFILL_ARMS=offload,resident,
@@ -382,7 +383,7 @@ for m in $mode_list; do
     gpu-tests) gpu_tests "$@" ;;
     decode48) bench48 decode48_resident "${ARMS:-resident;resident:fused=0}" "${CTX:-4k,32k}" ;;
     offload48) bench48 decode48_offload "${ARMS:-resident;off;on;on:budget=4}" "${CTX:-32k,255k}" \
-                 --slots "${SLOTS:-1650}" ;;
+                 --slots "${SLOTS:-1650}" --routing "${ROUTING:-model}" ;;
     prefill48) prefill48 ;;
     e2e48) e2e48 ;;
     verify) verify ;;

@@ -440,6 +440,11 @@ def bench_cmd(
     vram_budget: VramBudget = None, graph: Graph = None,
     kernels: Kernels = None, pdl: Pdl = None,
     eviction: Eviction = None, copy_programs: CopyPrograms = None,
+    routing: Annotated[str, typer.Option(
+        "--routing", metavar="SOURCE", help="Who routes the decode steps: model (its "
+        "routers), calibrated[:default|sticky|drifting] (a seeded generator fitted to the "
+        "real model's counts, docs/routing.md) or trace:FILE (a --record-routing file)")
+    ] = "model",
 ) -> None:
     """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""
     settings = resolve_settings(dict(
@@ -457,7 +462,8 @@ def bench_cmd(
     apply_threads(settings)
     synth = None if synthetic is None else bench_ui.Synthetic(synthetic, layers, format, dense)
     raise typer.Exit(bench_ui.run_bench(model, settings, os.environ, arms, context, steps,
-                                        rounds, json, sys.stdout, sys.stderr, synthetic=synth))
+                                        rounds, json, sys.stdout, sys.stderr, synthetic=synth,
+                                        routing=routing))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,7 +45,7 @@ def run(folder, bs: int, steps: int = STEPS, hooks=None, predictor=None, **setti
     """(tokens, logits, backend) of an offloaded run."""
     m = model(folder)
     ex = build_experts(m, Settings(batch_size=bs, **settings), hooks=hooks or Hooks())
-    if predictor is not None:
-        ex.predictor = predictor
+    if predictor is not None:  # predictor(x, router, k), as router_lookahead
+        ex.predictor = lambda nxt, x: predictor(x, ex.routers[nxt], ex.cfg.candidates)
     out = list(generate(m, PROMPTS[bs], steps, ex))
     return [s.tokens for s in out], torch.stack([s.logits for s in out]), ex

@@ -35,6 +35,8 @@ from ftchat.kernels.skip import Skip, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.offload.backend import ResidentExperts, StagedExperts
 from ftchat.profile import profile_call
+from ftchat.routing.calibrated import Geometry
+from ftchat.routing.forced import ForcedRouting, RoutingSource
 from ftchat.settings import Settings, override
 from ftchat.vram.workloads import budget_bytes, peak_report
 
@@ -42,6 +44,7 @@ COUNTERS = ("misses", "prefetch_installs", "prefetch_useful")
 START_TOKEN = 7  # the prefilled token the arms decode from
 
 
+MODEL_ROUTING = RoutingSource("model")
 KERNEL_KEYS = ("fused", "pdl")  # an arm's KernelConfig switches, 1 or 0
 
 
@@ -121,10 +124,12 @@ class Arm:
 
 
 def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
-             max_len: int, resident: ResidentExperts | None) -> Arm:
+             max_len: int, resident: ResidentExperts | None,
+             routing: RoutingSource = MODEL_ROUTING) -> Arm:
     """An arm's backend and decode iterator over a view of the weights that holds the arm's
     kernel configuration; resident arms share `resident`'s rows (the real model's fill most of
-    the GPU once)."""
+    the GPU once). A routing source other than the model's routes its decode steps (each arm
+    from the source's first step)."""
     s, kc = spec.settings, spec.kernels
     if kc.skip is not None and not kc.runs_fused(torch.empty(0, device=m.device)):
         raise FtchatError(f"bench arm {name!r}: skip= leaves out fused CUDA kernels, and on "
@@ -135,6 +140,11 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
         ex = ResidentExperts(resident.rows, resident.layout, resident.num_experts, kc)
     else:
         ex = build_experts(am, s)
+    if routing.kind != "model":
+        a = m.args
+        geo = Geometry(a.num_hidden_layers, a.num_experts, a.num_experts_per_tok,
+                       min((s or base).candidates, a.num_experts))
+        ex = ForcedRouting(ex, routing.steps(geo), geo, 1, m.dtype, m.device)
     cfg = base if s is None else s
     dec = Decoder(am, ex, 1, max_len, graph=cfg.use_graph(), kv_dtype=cfg.kv_torch_dtype())
     steps = engine.decode(dec, [[START_TOKEN]], [ctx], [max_len])
@@ -161,7 +171,8 @@ def run_round(arm: Arm, steps: int) -> None:
 
 def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Settings,
                   steps: int, rounds: int,
-                  progress: Callable[[int, int], None] | None = None) -> dict:
+                  progress: Callable[[int, int], None] | None = None,
+                  routing: RoutingSource = MODEL_ROUTING) -> dict:
     """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures.
     `progress(done, total)` after each round (the warm-up round included)."""
     if steps < 1 or rounds < 1:
@@ -171,7 +182,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
         raise FtchatError(f"context {ctx} + {(rounds + 1) * steps} bench tokens exceeds the "
                           f"model's {m.args.max_position_embeddings} positions")
     resident = resident_backend(m) if any(a.settings is None for a in arms.values()) else None
-    built = [make_arm(m, name, spec, base, ctx, max_len, resident)
+    built = [make_arm(m, name, spec, base, ctx, max_len, resident, routing)
              for name, spec in arms.items()]
     for arm in built:  # warm-up round (fills the caches), not counted
         run_round(arm, steps)
@@ -199,6 +210,8 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
             "precision": (total["prefetch_useful"] / total["prefetch_installs"]
                           if total.get("prefetch_installs") else None),
             "extra_vram_mib": a.extra_vram / 2**20, "setup_s": a.setup_s,
+            "routing": str(routing), "rows_per_token":
+                (c["misses"] + c["prefetch_installs"]) / a.tokens,
             "kernels_per_step": prof.kernels if prof else None,
             "kernels_per_layer": prof.kernels / L if prof else None,
             "busy_us_per_layer": prof.busy_us / L if prof else None,

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftchat.commands.bench import ArmSpec, bench_context, parse_arms
+from ftchat.routing.forced import RoutingSource
 from ftchat.commands.load import load_checked, pin_planned_slots, preflight
 from ftchat.engine import LoadedModel
 from ftchat.errors import FtchatError
@@ -52,10 +53,11 @@ class Synthetic:
 
 def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arms: str,
               contexts: str | None, steps: int, rounds: int, as_json: bool, out: TextIO,
-              err: TextIO, synthetic: Synthetic | None = None) -> int:
+              err: TextIO, synthetic: Synthetic | None = None, routing: str = "model") -> int:
     """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
     if steps < 1 or rounds < 1:
         raise FtchatError("--steps and --rounds must be >= 1")
+    source = RoutingSource.parse(routing)  # usage errors before the model loads
     settings.check_graph()
     arm_specs = parse_arms(arms, settings)  # usage errors before the model loads
     a0 = (synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt)[0] if synthetic
@@ -80,9 +82,9 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
     for ctx in ctxs:
         with progress_bar(err, f"context {ctx}:") as bar:  # on a terminal only
             res[ctx] = bench_context(m, arm_specs, ctx, settings, steps, rounds,
-                                     progress=lambda i, n: bar("rounds", i, n))
+                                     progress=lambda i, n: bar("rounds", i, n), routing=source)
         if not as_json:
-            _print_context(out, ctx, res[ctx], steps, rounds)
+            _print_context(out, ctx, res[ctx], steps, rounds, source)
     if as_json:
         out.write(json.dumps(res) + "\n")
     return 0
@@ -108,8 +110,9 @@ def bench_contexts(contexts: str | None, positions: int, steps: int, rounds: int
 
 
 def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,
-                   rounds: int) -> None:
-    table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens")
+                   rounds: int, routing: RoutingSource) -> None:
+    table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens, "
+                  f"routing {routing}")
     for col in COLUMNS:
         table.add_column(col)
     for name, v in arms.items():

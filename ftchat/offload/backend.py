@@ -127,9 +127,13 @@ class OffloadExperts:
     def __init__(self, host_rows: Tensor, layout: RowLayout, routers: list[Tensor],
                  attention_layers: set[int], cfg: OffloadConfig, device: torch.device,
                  streams: CpuStreams | CudaStreams, hooks: Hooks | None = None,
-                 predictor: Callable[[Tensor, Tensor, int], Tensor] | None = None,
+                 predictor: Callable[[int, Tensor], Tensor] | None = None,
                  kernels: KernelConfig = DEFAULT, top_k: int = 1):
-        self.predictor = predictor or router_lookahead
+        # predictor(nxt, x) -> candidates [C] of layer nxt; scorer(layer, x) -> its router
+        # logits [T, E] (eviction `score`). A routing source (ftchat/routing/forced.py)
+        # replaces both.
+        self.predictor = predictor or self.lookahead
+        self.scorer = self.router_logits
         self.kernels = kernels  # the kernel configuration its expert kernels run with
         self.host, self.layout, self.cfg, self.device = host_rows, layout, cfg, device
         self.routers = routers  # gate.weight [E, D] per layer (dense, on device)
@@ -319,9 +323,17 @@ class OffloadExperts:
         s.hand_off("predictor", x)
 
         def run():
-            self.cands[nxt] = self.predictor(x, self.routers[nxt], self.cfg.candidates)
+            self.cands[nxt] = self.predictor(nxt, x)
         s.run("predictor", run)
         self.pred_done[nxt] = s.record("predictor")
+
+    def lookahead(self, nxt: int, x: Tensor) -> Tensor:
+        """The default predictor: layer nxt's router on this layer's router input x."""
+        return router_lookahead(x, self.routers[nxt], self.cfg.candidates)
+
+    def router_logits(self, layer: int, x: Tensor) -> Tensor:
+        """The default scorer: layer's router on its input x [T, D] -> [T, E] fp32."""
+        return x.float() @ self.routers[layer].float().T
 
     def _score(self, layer: int, x: Tensor) -> None:
         """Eviction `score`, on the compute stream (the maps' one writer): at a step's first
@@ -330,7 +342,7 @@ class OffloadExperts:
         def run():
             if layer == 0:
                 self.scores.observe(self.maps)
-            self.scores.record(layer, x.float() @ self.routers[layer].float().T)  # [T, E]
+            self.scores.record(layer, self.scorer(layer, x))
         self.streams.run("compute", run)
 
     def _measure(self, layer: int, ids: Tensor) -> None:

@@ -120,9 +120,9 @@ def _sleepy(ex, where: str, cycles: int = 2_000_000):
     elif where == "predictor":
         orig_pred = ex.predictor
 
-        def pred(x, router, k):
+        def pred(nxt, x):
             torch.cuda._sleep(cycles)
-            return orig_pred(x, router, k)
+            return orig_pred(nxt, x)
         ex.predictor = pred
     else:  # compute
         orig_install = ex._install_prefetch
@@ -149,10 +149,12 @@ def test_eviction_of_a_slot_whose_prefetch_copy_is_in_flight(folders):
     folder = folders["nvfp4-modelopt"]
     ref = resident(folder, 1, False, 41)
 
-    def wrong_guesses(x, router, k):  # the least likely experts: every install is a miss target
-        return torch.softmax(x.float() @ router.float().T, -1).sum(0).topk(k, largest=False).indices
-
     def setup(ex, join: bool):
+        def wrong_guesses(nxt, x):  # the least likely experts: every install is a miss target
+            router = ex.routers[nxt]
+            return torch.softmax(x.float() @ router.float().T, -1).sum(0).topk(
+                ex.cfg.candidates, largest=False).indices
+
         ex.predictor = wrong_guesses
         # ~50 ms a prefetch copy: it lands after the next layer's demand copy into the slot it
         # targets, however loaded the GPU. The compute stream waits for every prefetch copy at
