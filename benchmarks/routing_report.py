@@ -413,7 +413,8 @@ def crosscheck(trace: Trace, sizes: list[int], budget: int, n: int) -> int:
     head = Trace(trace.routed[:n], trace.cands[:n], trace.doc_start[:n], E)
     checked = 0
     for c in sizes:
-        for name, policy in POLICIES.items():
+        for name in ("lru", "rule"):  # the replica's policies (not score: it reads logits)
+            policy = POLICIES[name]
             setups = [(1, c, per_layer_calls(head, layer)) for layer in range(L)]
             setups.append((L, L * c, pooled_calls(head)))
             for layers, slots, calls in setups:

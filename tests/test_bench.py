@@ -18,7 +18,7 @@ from ftchat.settings import Settings
     ("off;off", "given twice"),
     ("sideways", "expected resident, off, measure or on"),
     ("on:budget=x", "--budget 'x': expected a non-negative integer"),
-    ("off:eviction=fifo", "--eviction 'fifo': expected rule or lru"),
+    ("off:eviction=fifo", "--eviction 'fifo': expected rule, lru or score"),
     ("on:colour=red", "unknown setting 'colour'"),
     ("on:budget", "is not key=value"),
     ("on:overlap=maybe", "--overlap 'maybe': expected 1 or 0"),

@@ -26,11 +26,15 @@ def test_record_and_replay(tiny_bf16, tmp_path):
     assert all(len(c) == 8 for x in lines for c in x["candidates"])
     assert all(len(x["candidates"]) == a.num_hidden_layers - 1 for x in lines)
     assert len(out) == 21
-    res = subprocess.run([sys.executable, "benchmarks/replay_routing.py", str(trace),
-                          "--num-experts", str(a.num_experts), "--slots", "8,96"],
-                         capture_output=True, text=True, check=True)
-    rows = [r for r in res.stdout.splitlines() if r.startswith("slots")]
-    assert len(rows) == 2
+    res_file = tmp_path / "replay.json"
+    subprocess.run([sys.executable, "benchmarks/replay_routing.py", "--source", f"trace:{trace}",
+                    "--num-experts", str(a.num_experts), "--slots", "96", "--warmup", "0",
+                    "--evictions", "rule,lru", "--arms", "off", "--out", str(res_file)],
+                   capture_output=True, text=True, check=True)
+    res = json.loads(res_file.read_text())
     # every expert fits in 96 slots: only first touches miss, and the oracle can't do better
-    all_fit = rows[1]
-    assert "lru" in all_fit and "belady" in all_fit
+    assert a.num_hidden_layers * a.num_experts <= 96
+    first = len({(layer, e) for x in lines for layer, ids in enumerate(x["routed"])
+                 for e in ids}) / len(lines)
+    assert res["belady"] == first
+    assert [r["misses"] for r in res["rows"]] == [first, first]

@@ -85,6 +85,7 @@ def test_call_ids_are_unique():
 
 @pytest.mark.parametrize("text, open_block, reasoning, content", [
     ("</think>\n\nhello", True, "", "hello"),
+    ("</think>\n\n</think>\n\nhello", True, "", "hello"),  # a repeated close, as run drops it
     ("I should greet.\n</think>\n\nhello\n", True, "I should greet.", "hello\n"),
     ("still thinking\n", True, "still thinking", ""),  # never closed
     ("hello </think> world", False, "", "hello </think> world"),  # block closed in the prompt

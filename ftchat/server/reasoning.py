@@ -48,6 +48,13 @@ class ReasoningSplitter:
                 reasoning += self._reasoning(self.held[:len(self.held) - keep])
                 self.held = self.held[len(self.held) - keep:]
                 break
+            if not self.content_started:  # a model may repeat </think> before its answer
+                rest = self.held.lstrip("\n")
+                if rest.startswith(END_THINK):
+                    self.held = rest[len(END_THINK):]
+                    continue
+                if rest and END_THINK.startswith(rest):
+                    break  # may still become a repeated </think>
             content += self._content(self.held)
             self.held = ""
         return reasoning, content
