@@ -4,7 +4,7 @@ For each eviction policy and prefetch arm: demand misses, prefetch installs and 
 link per token, precision (useful / selected, measure mode's definition), useful predictions
 per predicted layer, the Belady floor, and the tok/s the link model (ftchat/routing/link.py)
 gives on a PCIe-5 and a PCIe-4 link beside its overlap bound. Arms: off, default (3 before a
-GDN layer, 4 before attention), budget 1/2/4, auto (the link's shadow: rows that fit under one
+GDN layer, 4 before attention: the seed's budget), budget 1/2/4, auto (the link's shadow: rows that fit under one
 layer's compute).
 
     python benchmarks/replay_routing.py --source calibrated:default --steps 600
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--compute-ms", type=float, default=5.0,
                     help="the resident decode step, ms per token (the link model's compute)")
     ap.add_argument("--row-bytes", type=int, default=ROW_BYTES)
+    ap.add_argument("--link-gbps", type=float,
+                    help="a measured link, modelled beside the PCIe-5 and PCIe-4 ones")
     ap.add_argument("--out", help="write the figures as JSON here")
     args = ap.parse_args()
     kind, _, what = args.source.partition(":")
@@ -65,6 +67,8 @@ def main() -> None:
     L = steps[0].routed.shape[0]
     links = {"pcie5": LinkModel(args.compute_ms / 1e3, PCIE5_GBPS, args.row_bytes),
              "pcie4": LinkModel(args.compute_ms / 1e3, PCIE4_GBPS, args.row_bytes)}
+    if args.link_gbps:
+        links["link"] = LinkModel(args.compute_ms / 1e3, args.link_gbps, args.row_bytes)
     auto = links["pcie5"].shadow_budget(L)
     floor = belady(steps, args.num_experts, args.slots, args.warmup)
     out = {"source": args.source, "seed": args.seed, "steps": len(steps), "warmup": args.warmup,
@@ -77,7 +81,7 @@ def main() -> None:
             continue  # a trace carries no router logits
         for arm in args.arms.split(","):
             for link_name, link in links.items():
-                if arm != "auto" and link_name == "pcie4":
+                if arm != "auto" and link_name != "pcie5":
                     continue  # the same counts: one replay serves both links
                 b = link.shadow_budget(L) if arm == "auto" else auto
                 prefetch, bud = budgets(arm, L, b)
@@ -98,7 +102,7 @@ def main() -> None:
                 print(f"{ev:5} {row['arm']:12} misses {c.misses:6.1f}  installs {c.installs:6.1f}"
                       f"  rows {c.rows:6.1f}  precision {c.precision:.3f}  useful/layer "
                       f"{row['useful_per_layer']:.2f}  " + "  ".join(
-                          f"{k[6:]} {v:.1f}" for k, v in row.items() if k.startswith("tok_s"))
+                          f"{k[6:]} {v:.1f}" for k, v in row.items() if k.startswith("tok_s_"))
                       + f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     if args.out:
         tmp = args.out + ".tmp"

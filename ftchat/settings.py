@@ -45,8 +45,11 @@ class Settings:
     """Everything a run is configured with; see `resolve_settings` for sources and checks."""
 
     prefetch: Prefetch = "off"
-    budget_gdn: int = 3  # prefetches installed before a GDN layer
-    budget_attn: int = 4  # ... before an attention layer
+    # prefetches installed before a GDN / an attention layer. One each: on the calibrated
+    # routing the fastest budget on a PCIe-4-class link (measured, H100) and faster than
+    # prefetch off on a PCIe-5 one (the link model); docs/routing.md
+    budget_gdn: int = 1
+    budget_attn: int = 1
     candidates: int = 16  # router-lookahead top-K
     slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
     expert_vram_gib: float | None = None

@@ -11,7 +11,7 @@ from ftchat.settings import Settings, resolve_settings
 
 def test_defaults():
     s = resolve_settings({}, {})
-    assert (s.prefetch, s.budget_gdn, s.budget_attn, s.candidates) == ("off", 3, 4, 16)
+    assert (s.prefetch, s.budget_gdn, s.budget_attn, s.candidates) == ("off", 1, 1, 16)
     assert (s.slots, s.expert_vram_gib, s.eviction, s.overlap, s.graph) == (None, None, "rule",
                                                                             True, None)
     assert (s.max_new_tokens, s.batch_size, s.device, s.dtype) == (256, 1, "auto", "auto")
