@@ -113,3 +113,15 @@ def test_a_trace_of_another_geometry_is_refused(trace_file, tiny_nvfp4):
     wrong = Geometry(geo.num_layers + 1, geo.num_experts, geo.top_k, geo.candidates)
     with pytest.raises(FtchatError, match="layers"):
         RoutingSource.parse(f"trace:{trace_file}").steps(wrong)
+
+
+def test_a_bad_trace_names_its_line(tmp_path):
+    from ftchat.routing.trace import read_trace
+
+    p = tmp_path / "t.jsonl"
+    p.write_text('{"step": 1, "routed": [[1], [2]], "candidates": [[3]]}\n{not json\n')
+    with pytest.raises(FtchatError, match="line 2 is not JSON"):
+        read_trace(p)
+    p.write_text('{"step": 1}\n')
+    with pytest.raises(FtchatError, match="line 1 lacks"):
+        read_trace(p)

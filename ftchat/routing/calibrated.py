@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import numpy as np
 
@@ -41,9 +41,6 @@ class CalibratedParams:
                 raise ValueError(f"{f.name} must be a finite number >= 0, got {v}")
         if not (self.rho_first <= 1 and self.rho_last <= 1):
             raise ValueError("rho_first and rho_last must be in [0, 1]")
-
-    def with_values(self, **values: float) -> CalibratedParams:
-        return replace(self, **values)
 
 
 # Three parameter sets that give the seed's counts (206 / 123 / 111 demand misses per token

@@ -21,11 +21,13 @@ def read_trace(path: str | Path) -> list[RoutingStep]:
         with open(path, encoding="utf-8") as f:
             for n, line in enumerate(f, 1):
                 if line.strip():
-                    steps.append(_step(json.loads(line), path, n))
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        raise FtchatError(f"routing trace {path}: line {n} is not JSON") from None
+                    steps.append(_step(rec, path, n))
     except (OSError, UnicodeDecodeError) as e:
         raise FtchatError(f"cannot read routing trace {path}: {e}") from None
-    except json.JSONDecodeError as e:
-        raise FtchatError(f"routing trace {path}: line {e.lineno}: not JSON") from None
     if not steps:
         raise FtchatError(f"routing trace {path} holds no steps")
     return steps
