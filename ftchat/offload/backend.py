@@ -332,8 +332,9 @@ class OffloadExperts:
         return router_lookahead(x, self.routers[nxt], self.cfg.candidates)
 
     def router_logits(self, layer: int, x: Tensor) -> Tensor:
-        """The default scorer: layer's router on its input x [T, D] -> [T, E] fp32."""
-        return x.float() @ self.routers[layer].float().T
+        """The default scorer: layer's router on its input x [T, D] -> [T, E] fp32 (the GEMV in
+        the model dtype: no fp32 copy of the router in the decode step)."""
+        return (x @ self.routers[layer].T).float()
 
     def _score(self, layer: int, x: Tensor) -> None:
         """Eviction `score`, on the compute stream (the maps' one writer): at a step's first
