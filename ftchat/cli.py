@@ -88,8 +88,9 @@ RUN_HELP = "\n\n".join((
     "reply per line with control characters escaped; --json writes one object per reply: index, "
     "text (the answer), reasoning (the think block), tokens, stop (eos, length, context, "
     "stop_string or interrupted), prompt_tokens, timings, offload, vram_peak_bytes, and seed "
-    "when sampled. A bad JSON line is an object with "
-    '"error" under --json, else an error that stops the run.',
+    "when sampled. A bad line (or one too long for the context) is an error line on stderr "
+    'and, in its reply\'s place, an empty line (--json: an object with "error"); the other '
+    "lines are answered, the exit status is 1.",
     "Decoding is greedy unless --temp is above 0.",
 ))
 

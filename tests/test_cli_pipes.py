@@ -1,6 +1,6 @@
 """Piped mode: each prompt answered as it arrives, Ctrl-C ends the last line cleanly,
-empty prompts and other bad lines are plain errors (an error object under --json), stop
-strings."""
+empty prompts and other bad lines are that line's error (an empty reply line, an error object
+under --json) while the other lines are answered, stop strings."""
 
 from __future__ import annotations
 
@@ -172,10 +172,13 @@ def test_empty_prompt_flag_is_an_error(capsys, monkeypatch):
                   "--prompt", "expected a prompt with some text in it")
 
 
-def test_empty_json_prompt_plain_is_an_error(tiny_nvfp4, capsys, monkeypatch):
-    one_error(*_main(["run", tiny_nvfp4, "--max-new-tokens", "2"], capsys, monkeypatch,
-                     'hello\n{"prompt": ""}\n'),
-              'stdin line 2: "prompt" is empty')
+def test_empty_json_prompt_plain_is_that_lines_error(tiny_nvfp4, capsys, monkeypatch):
+    code, out, err = _main(["run", tiny_nvfp4, "--max-new-tokens", "2"], capsys, monkeypatch,
+                           'hello\n{"prompt": ""}\n')
+    assert code == 1 and "Traceback" not in err, err
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        'error: stdin line 2: "prompt" is empty: give a prompt with some text in it']
+    assert len(out.splitlines()) == 2 and out.endswith("\n\n")  # its reply line is empty
 
 
 def test_bad_lines_under_json_are_error_objects(tiny_nvfp4, capsys, monkeypatch):
@@ -196,23 +199,25 @@ def test_bad_lines_under_json_are_error_objects(tiny_nvfp4, capsys, monkeypatch)
     assert "Traceback" not in err
 
 
-def test_a_bad_line_arriving_later_stops_a_plain_run(tiny_nvfp4):
-    # lines that arrive after the start are checked as they come: the replies before stay
+def test_a_bad_line_arriving_later_does_not_stop_a_plain_run(tiny_nvfp4):
+    # lines that arrive after the start are checked as they come: a bad one is an empty reply
+    # line and an error on stderr, the lines after it are answered, the exit status is 1
     p = spawn(str(tiny_nvfp4), "--max-new-tokens", "3")
     try:
         p.stdin.write(b"hello\n")
         p.stdin.flush()
         assert read_line(p.stdout, 90) is not None
-        p.stdin.write(b'{"prompt": "x", "max_new_tokens": 0}\nnever answered\n')
+        p.stdin.write(b'{"prompt": "x", "max_new_tokens": 0}\nanswered too\n')
         p.stdin.close()
         rest, err = p.stdout.read(), p.stderr.read().decode()
         assert p.wait(60) == 1
     finally:
         p.kill()
         p.wait()
-    assert rest == b""
-    assert err.splitlines()[-1] == ('error: stdin line 2: "max_new_tokens" must be a positive '
-                                    "integer")
+    assert rest.startswith(b"\n") and len(rest.splitlines()) == 2, rest
+    assert [ln for ln in err.splitlines() if ln.startswith("error: ")] == [
+        'error: stdin line 2: "max_new_tokens" must be a positive integer'], err
+    assert "2 replies, 1 failed" in err
 
 
 # ===== stop strings =====

@@ -9,10 +9,10 @@ Output, plain: one line per reply, with `\\`, newline, CR, tab and other control
 written as backslash escapes (`\\\\`, `\\n`, `\\r`, `\\t`, `\\x1b`). A --prompt reply is written
 as is. With --json: one object per prompt (see `json_reply`).
 
-A bad line (invalid JSON, a wrong field, an empty prompt): with --json, an object
-`{"index": i, "error": "..."}` takes its reply's place and the run goes on (exit status 1 at the
-end); plain, it is one `error:` line and the run stops there (exit status 1). In plain mode the
-lines already waiting when ftchat starts are checked before the model loads.
+A bad line (invalid JSON, a wrong field, an empty prompt, not UTF-8, too long for the
+context): one `error:` line naming it on stderr, and in its reply's place an object
+`{"index": i, "error": "..."}` with --json, an empty line without; the other lines are answered
+and the exit status is 1 at the end. A bad --prompt is the run's error.
 """
 
 from __future__ import annotations
@@ -270,27 +270,21 @@ def run_batch(session: Session, screen: Screen, jobs: JobReader, as_json: bool,
         escape = printable if isatty(screen.out) else str
     else:
         escape = one_line
-    code, chunk_no = 0, 0
+    code, chunk_no, failed = 0, 0, 0
     with screen.live() as out:
         replies = _Replies(session, out, escape)
         try:
             while chunk := jobs.take(session.settings.batch_size):
-                if isinstance(chunk[0], BadLine):
-                    if not as_json:
-                        raise FtchatError(chunk[0].message)
-                    replies.error(chunk[0].message)
-                    out.note(screen.err, f"error: {chunk[0].message}")
-                    code = 1
-                    continue
-                # a prompt too long for the context (or one that renders to nothing) is that
-                # prompt's error: the prompts around it are still answered
-                for part in _encoded(session, chunk):
+                # a bad line, a prompt too long for the context or one that renders to nothing:
+                # that prompt's error, the prompts around it are still answered
+                parts = chunk if isinstance(chunk[0], BadLine) else _encoded(session, chunk)
+                for part in parts:
                     if isinstance(part, BadLine):
-                        if not as_json:
+                        if one_shot:
                             raise FtchatError(part.message)
                         replies.error(part.message)
                         out.note(screen.err, f"error: {part.message}")
-                        code = 1
+                        code, failed = 1, failed + 1
                         continue
                     replies.run(*part, chunk_no)
                     chunk_no += 1
@@ -300,7 +294,7 @@ def run_batch(session: Session, screen: Screen, jobs: JobReader, as_json: bool,
     if code == 130:
         screen.note("[interrupted]")
     if not session.settings.quiet:
-        screen.note_parts(_batch_summary(replies.final, replies.chunk_of))
+        screen.note_parts(_batch_summary(replies.final, replies.chunk_of, failed))
     return code
 
 
@@ -394,7 +388,10 @@ class _Replies:
         self.index, self.started = i + 1, False
 
     def error(self, message: str) -> None:
-        self.out.write(json.dumps({"index": self.index, "error": message}) + "\n")
+        """A bad prompt's place in the output: an error object (JSON), or an empty line (plain:
+        line i of stdout stays the reply to prompt i)."""
+        self.out.write(("" if self.escape is not None else
+                        json.dumps({"index": self.index, "error": message})) + "\n")
         self.index += 1
 
     def interrupted(self) -> None:
@@ -442,7 +439,8 @@ def json_reply(session: Session, index: int, rec: StepRecord, tokens: list[int],
     return json.dumps(obj, ensure_ascii=False)
 
 
-def _batch_summary(final: dict[int, StepRecord], chunk_of: dict[int, int]) -> list[str]:
+def _batch_summary(final: dict[int, StepRecord], chunk_of: dict[int, int],
+                   failed: int = 0) -> list[str]:
     # The prompts of a chunk decode together: its time is its slowest sequence's.
     chunk_s: dict[int, float] = {}
     for i, rec in final.items():
@@ -451,4 +449,5 @@ def _batch_summary(final: dict[int, StepRecord], chunk_of: dict[int, int]) -> li
     offload = recs[-1].figures.offload if recs else {}
     parts = timing_parts(sum(r.prefill_s for r in recs), sum(r.prompt_tokens for r in recs),
                          sum(chunk_s.values()), sum(r.n - 1 for r in recs), dict(offload))
-    return [f"{plural(len(recs), 'reply', 'replies')}", *parts]
+    replies = plural(len(recs), "reply", "replies")
+    return [f"{replies}, {failed} failed" if failed else replies, *parts]

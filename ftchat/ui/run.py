@@ -10,14 +10,14 @@ from typing import TextIO
 
 import torch
 
-from ftchat.errors import FtchatError, SettingsError
+from ftchat.errors import SettingsError
 from ftchat.model.config import check_context
 from ftchat.model.registry import load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.output_file import check_target
 from ftchat.session import Session
 from ftchat.settings import Settings
-from ftchat.ui.batch import BadLine, Job, JobReader, LineSource, run_batch
+from ftchat.ui.batch import Job, JobReader, LineSource, run_batch
 from ftchat.ui.chat import run_chat
 from ftchat.ui.panel import Screen, isatty
 from ftchat.ui.progress import progress_bar
@@ -37,10 +37,7 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
         jobs = JobReader(None, settings, [Job(settings.prompt, settings.system)])
     elif not interactive:
         jobs = JobReader(LineSource(stdin), settings)
-        waiting = jobs.peek_ready()  # the lines already there: checked before loading
-        bad = next((x for x in waiting if isinstance(x, BadLine)), None)
-        if bad is not None and not settings.json:
-            raise FtchatError(bad.message)
+        waiting = jobs.peek_ready()  # the lines already there
         if not waiting and jobs.ended:
             screen.note("ftchat: no prompts on stdin, nothing to do")
             return 0
