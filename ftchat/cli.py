@@ -28,7 +28,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 PrefillChunk, Prefetch, Prompt, PromptFile, Quiet,
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
-from ftchat.cli_options import Force, MinP, Think
+from ftchat.cli_options import Force, MinP, PROMPT_HINT, Think
 from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.sizes import MAX_LINE_BYTES
@@ -376,6 +376,8 @@ def audit_cmd(
     prompt: Annotated[list[str] | None, typer.Option(
         "--prompt", "-p", metavar="TEXT",
         help="A prompt (repeatable); default: one per line on stdin")] = None,
+    file: Annotated[Path | None, typer.Option(
+        "--file", "-f", metavar="FILE", help="Read one prompt from FILE (as run -f)")] = None,
     audit_every: Annotated[int | None, typer.Option(
         "--audit-every", metavar="N", help="Byte-check the whole slot cache every N steps "
         "(default 64)")] = None,
@@ -391,7 +393,9 @@ def audit_cmd(
     budget_attn: BudgetAttn = None, candidates: Candidates = None, eviction: Eviction = None,
     overlap: Overlap = None,
 ) -> None:
-    """A decode run with the slot audit on; exits 1 if any held slot's bytes are wrong."""
+    """A decode run with the slot audit on; exits 1 if any held slot's bytes are wrong.
+
+    MODEL as for run; the prompts from -p (repeatable) and -f, else one per line on stdin."""
     settings = resolve_settings(dict(
         prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
         candidates=candidates, slots=slots, expert_vram=expert_vram, vram_budget=vram_budget,
@@ -408,10 +412,12 @@ def audit_cmd(
     from ftchat.ui.run import apply_threads
 
     apply_threads(settings)
-    texts = prompt or ([] if sys.stdin.isatty() else
-                       [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()])
-    raise typer.Exit(run_audit(model, settings, os.environ, n, texts, max_new_tokens, json,
-                               sys.stdout, sys.stderr))
+    texts = [*(prompt or []), *([] if file is None else [_read_prompt_file(file)])]
+    if not texts and not sys.stdin.isatty():
+        texts = [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()]
+    raise typer.Exit(run_audit(model, settings, os.environ, prompts=texts, every=n,
+                               max_new=max_new_tokens, as_json=json, out=sys.stdout,
+                               err=sys.stderr))
 
 
 ARMS_HELP = ("Arms separated by ';': resident, off, measure or on[:k=v,...], k a setting by "
@@ -484,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
         if not e.format_message().strip():  # `ftchat` alone: the help is printed, nothing failed
             return 0
-        return _fail(e.format_message(), e.exit_code)
+        return _fail(_usage_message(e), e.exit_code)
     except typer.Abort:  # EOF where input was needed
         return _fail("aborted", 1)
     except KeyboardInterrupt:
@@ -505,6 +511,16 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"internal error: {type(e).__name__}: {first} (FTCHAT_DEBUG=1 shows the "
                      "traceback)", 1)
     return code if isinstance(code, int) else 0
+
+
+def _usage_message(e: typer.TyperException) -> str:
+    """Click's message; for a word after MODEL in a command that takes a prompt, where the
+    prompt goes (`ftchat audit MODEL "a prompt"`)."""
+    message, ctx = e.format_message(), getattr(e, "ctx", None)
+    if message.startswith("Got unexpected extra argument") and ctx is not None \
+            and any(p.name == "prompt" for p in ctx.command.params):
+        message += f"; MODEL is the only argument: {PROMPT_HINT}"
+    return message
 
 
 def _fail(message: str, code: int) -> int:

@@ -18,8 +18,21 @@ _D = Settings()  # the defaults the help texts quote
 GEN, MODEL, KERNELS = "Generation", "Model and memory", "Kernels"
 OFFLOAD, DEBUG = "Offload tuning", "Debug"
 
+
+def _model_not_a_prompt(ctx: typer.Context, model: str | None) -> str | None:
+    """MODEL with a space in it that names no file: a prompt typed where the model goes (a
+    repo id has no space). A usage error that says where a prompt goes, before anything runs."""
+    if model is not None and any(c.isspace() for c in model) \
+            and not Path(model).expanduser().exists():
+        takes_prompt = any(p.name == "prompt" for p in ctx.command.params)
+        raise typer.BadParameter(f"{model!r}: no such model folder, and not a Hugging Face "
+                                 "repo id" + (f"; {PROMPT_HINT}" if takes_prompt else ""))
+    return model
+
+
+PROMPT_HINT = "give a prompt with --prompt/-p TEXT, --file/-f FILE or on stdin"
 Model = Annotated[str | None, typer.Argument(
-    metavar="MODEL", show_default=False,
+    metavar="MODEL", show_default=False, callback=_model_not_a_prompt,
     help="Checkpoint folder or Hugging Face repo id; none: the built-in demo model.")]
 
 # ===== generation (run) =====

@@ -31,24 +31,26 @@ def audit_prompts(m: LoadedModel, prompts: list[list[int]], settings: Settings, 
     return audit
 
 
-def run_audit(model: str | None, settings: Settings, env: Mapping[str, str], every: int,
-              prompt_texts: list[str], max_new: int, as_json: bool, out: TextIO,
+def run_audit(model: str | None, settings: Settings, env: Mapping[str, str], *,
+              prompts: list[str], every: int, max_new: int, as_json: bool, out: TextIO,
               err: TextIO) -> int:
-    """`ftchat audit`: load, decode each prompt with the slot audit on, print what it found;
-    the exit code (1: a bad slot, or no audit ran)."""
+    """`ftchat audit`: load, decode each prompt with the slot audit on (every `every` steps,
+    `max_new` tokens a prompt), print what it found; the exit code (1: a bad slot, or no audit
+    ran)."""
     if every < 1:
         raise FtchatError(f"--audit-every {every}: expected a positive integer")
     if max_new < 1:
         raise FtchatError(f"--max-new-tokens {max_new}: expected a positive integer")
-    if not prompt_texts:
-        raise FtchatError("no prompts: give them with --prompt or on stdin, one per line")
-    for i, text in enumerate(prompt_texts):
+    if not prompts:
+        raise FtchatError("no prompts: give them with --prompt/-p TEXT (repeatable), "
+                          "--file/-f FILE or on stdin, one per line")
+    for i, text in enumerate(prompts):
         if not text.strip():
             raise FtchatError(f"prompt {i + 1} is empty: give a prompt with some text in it")
     m, tok, plan = load_checked(model, settings, env, err, lambda a, layout: verify_workload(
         a, layout, settings, max_new, 1))
     settings = pin_planned_slots(settings, plan)
-    ids = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in prompt_texts]
+    ids = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in prompts]
     context = run_context(m.args, settings)
     for i, p in enumerate(ids):
         if len(p) + max_new + 1 > context:  # generate holds the prompt, the reply and one
