@@ -91,7 +91,9 @@ RUN_HELP = "\n\n".join((
     "when sampled. A bad line (or one too long for the context) is an error line on stderr "
     'and, in its reply\'s place, an empty line (--json: an object with "error"); the other '
     "lines are answered, the exit status is 1.",
-    "Decoding is greedy unless --temp is above 0.",
+    "Decoding is greedy unless --temp is above 0. Sampling flags not given take the model's "
+    "generation_config.json (repetition_penalty; with do_sample, temperature, top_k, top_p, "
+    "min_p), else greedy's values.",
 ))
 
 

@@ -47,7 +47,9 @@ MaxNew = Annotated[int | None, typer.Option(
 System = Annotated[str | None, typer.Option(
     metavar="TEXT", rich_help_panel=GEN, help="System message")]
 Temp = Annotated[float | None, typer.Option(
-    "--temp", metavar="T", rich_help_panel=GEN, help="Sampling temperature; 0 (default): greedy")]
+    "--temp", metavar="T", rich_help_panel=GEN,
+    help="Sampling temperature; 0: greedy (default, unless the model's generation_config.json "
+    "samples)")]
 TopK = Annotated[int | None, typer.Option(
     metavar="K", rich_help_panel=GEN, help="Sample from the K likeliest tokens (0: off)")]
 TopP = Annotated[float | None, typer.Option(
@@ -58,7 +60,8 @@ MinP = Annotated[float | None, typer.Option(
     help="Sample only tokens at least P times as likely as the likeliest (0: off)")]
 RepeatPenalty = Annotated[float | None, typer.Option(
     metavar="X", rich_help_panel=GEN,
-    help="Penalize the last 64 tokens' ids by X (1: off; also when greedy)")]
+    help="Penalize the last 64 tokens' ids by X (1: off; also when greedy; default: the "
+    "model's generation_config.json, else 1)")]
 Seed = Annotated[int | None, typer.Option(
     "--seed", "-s", metavar="N", rich_help_panel=GEN,
     help="Sampling seed, per reply (default: random)")]

@@ -47,7 +47,12 @@ class Sampling:
 
     @classmethod
     def from_settings(cls, s) -> Sampling:
-        return cls(s.temperature, s.top_k, s.top_p, s.repeat_penalty, s.seed, s.min_p)
+        """The settings' sampling; a field they leave unset (None) takes the default here."""
+        d = cls()
+        given = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p,
+                 "repeat_penalty": s.repeat_penalty, "min_p": s.min_p}
+        return dataclasses.replace(d, seed=s.seed, **{k: v for k, v in given.items()
+                                                      if v is not None})
 
     def with_seed(self) -> Sampling:
         """This request with its seed fixed (a random one where none was given), so that the

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import dataclasses
+import json
+from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from ftchat.errors import FtchatError, SettingsError
+from ftchat.errors import FtchatError, ModelError, SettingsError
 
 # torch, and every ftchat module that imports it, is imported on use (in the methods below):
 # `ftchat --help` and a flag error stay instant
@@ -80,13 +82,20 @@ class Settings:
     quiet: bool = False  # no banner, no loading bar, no timing lines
     threads: int | None = None  # torch CPU threads; None: torch's default
     stop: tuple[str, ...] = ()  # a reply ends where its text first contains one of these
-    # ===== sampling: opt-in, greedy (temperature 0, no penalty) is the default =====
-    temperature: float = 0.0  # 0: greedy
-    top_k: int = 0  # 0: every token
-    top_p: float = 1.0  # 1: every token
-    repeat_penalty: float = 1.0  # 1: none
-    min_p: float = 0.0  # 0: off
+    # ===== sampling: None (not given): the model's generation_config.json
+    # (`with_generation_defaults`), else greedy (temperature 0, no penalty), Sampling's defaults
+    temperature: float | None = None  # 0: greedy
+    top_k: int | None = None  # 0: every token
+    top_p: float | None = None  # 1: every token
+    repeat_penalty: float | None = None  # 1: none
+    min_p: float | None = None  # 0: off
     seed: int | None = None  # None: a random seed per request
+
+    def with_generation_defaults(self, defaults: Mapping[str, float]) -> Settings:
+        """These settings with the sampling fields not given (None) taken from `defaults` (a
+        model's `generation_defaults`): a flag beats the model's file."""
+        return dataclasses.replace(self, **{field: value for field, value in defaults.items()
+                                            if getattr(self, field) is None})
 
     def torch_device(self) -> torch.device:
         """The resolved device: auto is cuda when available, else cpu."""
@@ -223,6 +232,45 @@ TEMPERATURE = _number(0.0, expected="a number >= 0 (0: greedy)")
 TOP_P = _number(0.0, 1.0, low_open=True, expected="a number above 0 and at most 1")
 MIN_P = _number(0.0, 1.0, expected="a number from 0 to 1 (0: off)")
 REPEAT_PENALTY = _number(0.0, low_open=True, expected="a positive number (1: no penalty)")
+
+# ===== a model's generation defaults: generation_config.json, read as transformers reads it =====
+
+# key -> (Settings field, parser, transformers' value when "do_sample" is true and the key is
+# absent); every key but repetition_penalty counts only with "do_sample": true (without it
+# transformers decodes greedily and ignores them)
+GENERATION_KEYS = {
+    "repetition_penalty": ("repeat_penalty", REPEAT_PENALTY, None),
+    "temperature": ("temperature", TEMPERATURE, 1.0),
+    "top_k": ("top_k", _int(0), 50),
+    "top_p": ("top_p", TOP_P, 1.0),
+    "min_p": ("min_p", MIN_P, None),
+}
+
+
+def generation_defaults(folder: Path) -> dict[str, float]:
+    """Settings field -> value from `folder`'s generation_config.json ({} without one); a bad
+    value is a ModelError naming the file and the key."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ModelError(f"cannot read {path}: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{path} is not a JSON object")
+    sampled = cfg.get("do_sample") is True
+    out: dict[str, float] = {}
+    for key, (field, parse, sampled_default) in GENERATION_KEYS.items():
+        if key != "repetition_penalty" and not sampled:
+            continue
+        value = cfg.get(key, sampled_default)
+        if value is not None:
+            try:
+                out[field] = parse(value, key)
+            except SettingsError as e:
+                raise ModelError(f"{path}: {e}") from None
+    return out
 
 
 def _seed(value: object, where: str) -> int:

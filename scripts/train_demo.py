@@ -392,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
           for k, v in model.state_dict().items()}
     # 14 MiB of tensors per shard: with its header each file stays under the 16 MiB that one
     # file may have to come back from the GPU machine (17 MB shards were refused once).
+    # repetition_penalty 1.3: greedy decoding loops on some prompts without it ("hello"
+    # answers hello over and over; 1.1 still loops); `ftchat run` takes it as its default
     nbytes = export_checkpoint(sd, cfg, a.out, nvfp4.MODELOPT,
-                               eos_ids=[specials["<|im_end|>"], eos], max_shard_bytes=14 << 20)
+                               eos_ids=[specials["<|im_end|>"], eos], max_shard_bytes=14 << 20,
+                               generation={"repetition_penalty": 1.3})
     sizes = {f.name: f.stat().st_size for f in a.out.glob("*.safetensors")}
     print(f"[export] {a.out}: {nbytes / 1e6:.1f} MB of tensors in {len(sizes)} shards "
           f"(largest file {max(sizes.values()) / 2**20:.2f} MiB)")

@@ -256,11 +256,13 @@ def test_demo_reply_to_hi_shows_no_think_tag(capsys, monkeypatch):
     from ftchat.ui.chat import run_chat
     from ftchat.ui.panel import Screen
 
-    code, out, err = _main(["run", "--max-new-tokens", "24"], capsys, monkeypatch, "hi\n")
+    # --repeat-penalty 1: the plain argmax, as Session.open below decodes (the demo's default
+    # penalty, from its generation_config.json, keeps it from writing </think> twice)
+    argv = ["run", "--max-new-tokens", "24", "--repeat-penalty", "1"]
+    code, out, err = _main(argv, capsys, monkeypatch, "hi\n")
     assert code == 0, err
     assert out.startswith("```python") and "think>" not in out, out
-    code, raw, err = _main(["run", "--max-new-tokens", "24", "--json"], capsys, monkeypatch,
-                           "hi\n")
+    code, raw, err = _main([*argv, "--json"], capsys, monkeypatch, "hi\n")
     obj = json.loads(raw)
     # --json: the answer in "text", the (empty) think block in "reasoning", the exact reply in
     # "tokens" (the two </think> the model wrote are there)

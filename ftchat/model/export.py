@@ -43,7 +43,8 @@ def _dense_tensor(name: str, sd: dict[str, Tensor], a: ModelArgs) -> tuple[Tenso
 
 def export_checkpoint(sd: dict[str, Tensor], text_config: dict, out: str | Path,
                       fmt: str = nvfp4.MODELOPT, eos_ids: list[int] | None = None,
-                      max_shard_bytes: int = 16 << 20) -> int:
+                      max_shard_bytes: int = 16 << 20,
+                      generation: dict | None = None) -> int:
     """Write the weights of `sd` and the configs into folder `out` (created; may hold tokenizer
     files already). Returns the bytes of tensor data written.
 
@@ -52,6 +53,8 @@ def export_checkpoint(sd: dict[str, Tensor], text_config: dict, out: str | Path,
         text_config: the text config dict the model was built from (model_type qwen4_exp_text).
         fmt: bf16 or an NVFP4 dialect; NVFP4 applies to the routed experts only.
         eos_ids: generation stop ids for generation_config.json (default: the config's eos).
+        generation: more generation_config.json keys (the model's decoding defaults, such as
+            repetition_penalty).
     Raises:
         FtchatError: unknown format, or a state-dict tensor the checkpoint would not hold.
     """
@@ -67,7 +70,7 @@ def export_checkpoint(sd: dict[str, Tensor], text_config: dict, out: str | Path,
         hf["quantization_config"] = nvfp4.quant_config_dict(fmt, _unquantized_modules())
     (out / "config.json").write_text(json.dumps(hf, indent=2))
     gen_cfg = {"bos_token_id": eos, "pad_token_id": eos, "eos_token_id": eos_ids or [eos],
-               "do_sample": False}
+               "do_sample": False, **(generation or {})}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
 
     used: set[str] = set()

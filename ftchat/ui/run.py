@@ -16,7 +16,7 @@ from ftchat.model.registry import load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.output_file import check_target
 from ftchat.session import Session
-from ftchat.settings import Settings
+from ftchat.settings import Settings, generation_defaults
 from ftchat.ui.batch import Job, JobReader, LineSource, run_batch
 from ftchat.ui.chat import run_chat
 from ftchat.ui.panel import Screen, isatty
@@ -31,6 +31,11 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
         stdout: TextIO, stderr: TextIO) -> int:
     """Chat when stdin is a terminal, else one reply per piped prompt; returns the exit code."""
     screen = Screen(stdout, stderr, settings.panel)
+    resolved = resolve_model(model, env)
+    # the model's generation_config.json fills the sampling settings no flag gave
+    defaults = {field: value for field, value in generation_defaults(resolved.path).items()
+                if getattr(settings, field) is None}
+    settings = settings.with_generation_defaults(defaults)
     interactive = settings.prompt is None and isatty(stdin)
     jobs = None
     if settings.prompt is not None:
@@ -45,8 +50,7 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
     if settings.record_routing is not None:  # before loading: never truncate a file
         check_target(settings.record_routing, "--record-routing", settings.force)
     apply_threads(settings)
-    resolved = resolve_model(model, env)
-    session = open_session(resolved, settings, screen, interactive)
+    session = open_session(resolved, settings, screen, interactive, defaults)
     try:
         if jobs is not None:
             code = run_batch(session, screen, jobs, settings.json,
@@ -102,7 +106,8 @@ def plan_run(resolved: ResolvedModel, settings: Settings) -> Settings:
 
 
 def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
-                 interactive: bool = True) -> Session:
+                 interactive: bool = True, defaults: Mapping[str, float] | None = None
+                 ) -> Session:
     check_context(load_args(resolved.path), settings.context)  # before the KV cache is sized
     settings = plan_run(resolved, settings)
     quiet = settings.quiet
@@ -124,4 +129,8 @@ def open_session(resolved: ResolvedModel, settings: Settings, screen: Screen,
             raise
     if not quiet:
         screen.note_words(f"ftchat: {resolved.name}: {session.describe()}; {loaded}")
+        if defaults:  # where a reply's sampling came from when no flag chose it
+            flags = {"temperature": "--temp"}
+            screen.note_words("ftchat: from the model's generation_config.json: " + ", ".join(
+                f"{flags.get(k, '--' + k.replace('_', '-'))} {v:g}" for k, v in defaults.items()))
     return session
