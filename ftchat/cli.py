@@ -28,7 +28,8 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 PrefillChunk, Prefetch, Prompt, PromptFile, Quiet,
                                 RecordRouting, RepeatPenalty, Seed, Slots, Stop, Synthetic,
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
-from ftchat.cli_options import Force, MinP, PROMPT_HINT, Think
+from ftchat.cli_options import Force, MinP, Think, usage_message
+from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.sizes import MAX_LINE_BYTES
@@ -422,40 +423,30 @@ def audit_cmd(
                                err=sys.stderr))
 
 
-ARMS_HELP = ("Arms separated by ';': resident, off, measure or on[:k=v,...], k a setting by "
-             "its flag's name (budget, eviction, overlap, graph, kv_cache_dtype, ...) or "
-             "fused=0 (the torch decode path), pdl=0 (no programmatic dependent launch); "
-             "resident:skip=FAMILY+... leaves kernel families out (their marginal cost; not "
-             "the model's tokens)")
+BENCH_HELP = "\n\n".join((
+    "Decode tok/s of several arms side by side in one process (ABAB interleaved).",
+    "An arm is one configuration: a prefetch mode (--prefetch), at each budget (--budget) for "
+    "the measure and on modes; --arms gives them in bench's own grammar (--help-arms).",
+))
 
 
-@app.command("bench", cls=_Command)
+@app.command("bench", cls=_Command, help=BENCH_HELP)
 def bench_cmd(
     model: Model = None,
-    arms: Annotated[str, typer.Option("--arms", metavar="ARMS", help=ARMS_HELP)
-                    ] = "off;on;on:budget=4",
-    context: Annotated[str | None, typer.Option(
-        "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k (default 4k, "
-        "less where the model's positions need it)")] = None,
+    prefetch: BenchPrefetch = None, budget: BenchBudget = None,
+    context: BenchContexts = None, routing: Routing = "model",
     steps: Annotated[int, typer.Option(metavar="N", help="Tokens per arm per round")] = 32,
     rounds: Annotated[int, typer.Option(metavar="N", help="Interleaved rounds")] = 3,
-    synthetic: Synthetic = None,
-    layers: Layers = None,
-    format: Format = "nvfp4-modelopt",
-    dense: Dense = "bf16",
     json: JsonOut = False,
+    arms: Arms = None, help_arms: HelpArms = False,
+    synthetic: Synthetic = None, layers: Layers = None, format: Format = "nvfp4-modelopt",
+    dense: Dense = "bf16",
     device: Device = None, dtype: Dtype = None, kv_cache_dtype: KvCacheDtype = None,
     threads: Threads = None, slots: Slots = None, expert_vram: ExpertVram = None,
     vram_budget: VramBudget = None, graph: Graph = None,
     kernels: Kernels = None, pdl: Pdl = None,
     eviction: Eviction = None, copy_programs: CopyPrograms = None,
-    routing: Annotated[str, typer.Option(
-        "--routing", metavar="SOURCE", help="Who routes the decode steps: model (its "
-        "routers), calibrated[:default|sticky|drifting] (a seeded generator fitted to the "
-        "real model's counts, docs/routing.md) or trace:FILE (a --record-routing file)")
-    ] = "model",
 ) -> None:
-    """Decode tok/s of several arms side by side in one process (ABAB interleaved)."""
     settings = resolve_settings(dict(
         slots=slots, expert_vram=expert_vram, vram_budget=vram_budget, eviction=eviction,
         graph=graph, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
@@ -465,11 +456,16 @@ def bench_cmd(
         raise FtchatError("give MODEL or --synthetic, not both")
     if synthetic is None and (layers is not None or dense != "bf16"):
         raise FtchatError("--layers and --dense need --synthetic")
+    if arms is not None and (prefetch is not None or budget is not None):
+        raise FtchatError("give --arms, or --prefetch and --budget, not both")
     from ftchat.commands import bench_ui
+    from ftchat.commands.arms_help import arms_of_choices
     from ftchat.ui.run import apply_threads
 
     apply_threads(settings)
     synth = None if synthetic is None else bench_ui.Synthetic(synthetic, layers, format, dense)
+    if arms is None:
+        arms = arms_of_choices(prefetch, budget)
     raise typer.Exit(bench_ui.run_bench(model, settings, os.environ, arms, context, steps,
                                         rounds, json, sys.stdout, sys.stderr, synthetic=synth,
                                         routing=routing))
@@ -492,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
         if not e.format_message().strip():  # `ftchat` alone: the help is printed, nothing failed
             return 0
-        return _fail(_usage_message(e), e.exit_code)
+        return _fail(usage_message(e), e.exit_code)
     except typer.Abort:  # EOF where input was needed
         return _fail("aborted", 1)
     except KeyboardInterrupt:
@@ -513,16 +509,6 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(f"internal error: {type(e).__name__}: {first} (FTCHAT_DEBUG=1 shows the "
                      "traceback)", 1)
     return code if isinstance(code, int) else 0
-
-
-def _usage_message(e: typer.TyperException) -> str:
-    """Click's message; for a word after MODEL in a command that takes a prompt, where the
-    prompt goes (`ftchat audit MODEL "a prompt"`)."""
-    message, ctx = e.format_message(), getattr(e, "ctx", None)
-    if message.startswith("Got unexpected extra argument") and ctx is not None \
-            and any(p.name == "prompt" for p in ctx.command.params):
-        message += f"; MODEL is the only argument: {PROMPT_HINT}"
-    return message
 
 
 def _fail(message: str, code: int) -> int:

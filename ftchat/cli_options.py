@@ -31,6 +31,17 @@ def _model_not_a_prompt(ctx: typer.Context, model: str | None) -> str | None:
 
 
 PROMPT_HINT = "give a prompt with --prompt/-p TEXT, --file/-f FILE or on stdin"
+
+
+def usage_message(e: typer.TyperException) -> str:
+    """Click's message; for a word after MODEL in a command that takes a prompt, where the
+    prompt goes (`ftchat audit MODEL "a prompt"`)."""
+    message, ctx = e.format_message(), getattr(e, "ctx", None)
+    if message.startswith("Got unexpected extra argument") and ctx is not None \
+            and any(p.name == "prompt" for p in ctx.command.params):
+        message += f"; MODEL is the only argument: {PROMPT_HINT}"
+    return message
+
 Model = Annotated[str | None, typer.Argument(
     metavar="MODEL", show_default=False, callback=_model_not_a_prompt,
     help="Checkpoint folder or Hugging Face repo id; none: the built-in demo model.")]
@@ -180,3 +191,35 @@ Dense = Annotated[str, typer.Option(
 Synthetic = Annotated[str | None, typer.Option(
     metavar="tiny|flash-next", help="Build a random-weight model in memory instead of MODEL")]
 JsonOut = Annotated[bool, typer.Option("--json", metavar="", help="One JSON object")]
+
+# ===== bench: what a user compares; the arms' own grammar on a page of its own =====
+BenchPrefetch = Annotated[str | None, typer.Option(
+    "--prefetch", metavar="LIST", help="Prefetch modes to compare, one arm each: off, measure, "
+    "on, resident (every expert in VRAM) (default off,on)")]
+BenchBudget = Annotated[str | None, typer.Option(
+    "--budget", metavar="LIST", help="Prefetch budgets of the measure and on arms, one arm "
+    "each (default 1,4)")]
+BenchContexts = Annotated[str | None, typer.Option(
+    "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k (default 4k, less "
+    "where the model's positions need it)")]
+Routing = Annotated[str, typer.Option(
+    "--routing", metavar="SOURCE", help="Who routes the decode steps: model (its routers), "
+    "calibrated[:default|sticky|drifting] (a seeded generator fitted to the real model's "
+    "counts, docs/routing.md) or trace:FILE (a --record-routing file)")]
+ARMS = "Arms"
+
+
+def _help_arms(value: bool) -> None:
+    if value:
+        from ftchat.commands.arms_help import arms_help
+
+        typer.echo(arms_help(), nl=False)
+        raise typer.Exit()
+
+
+Arms = Annotated[str | None, typer.Option(
+    "--arms", metavar="ARMS", rich_help_panel=ARMS, help="The arms in bench's own grammar "
+    "(e.g. 'off;off:eviction=lru'), instead of --prefetch and --budget")]
+HelpArms = Annotated[bool, typer.Option(
+    "--help-arms", is_eager=True, callback=_help_arms, metavar="", rich_help_panel=ARMS,
+    help="Print the --arms grammar and every key, and exit")]

@@ -113,13 +113,26 @@ def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,
                    rounds: int, routing: RoutingSource) -> None:
     table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens, "
                   f"routing {routing}")
-    for col in COLUMNS:
-        table.add_column(col)
-    for name, v in arms.items():
-        table.add_row(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"),
-                      f"{v['ms_per_layer']:.3f}", f"{v['misses_per_token']:.1f}",
-                      f"{v['useful_per_layer']:.2f}", _f(v["precision"], "{:.2f}"))
-    Console(file=out).print(table)
+    rows = [(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"), f"{v['ms_per_layer']:.3f}",
+             f"{v['misses_per_token']:.1f}", f"{v['useful_per_layer']:.2f}",
+             _f(v["precision"], "{:.2f}")) for name, v in arms.items()]
+    console = Console(file=out)
+    # the arm names whole (two budgets must not both read `on:budget…`); where the one-line
+    # headers do not fit the terminal (80 columns), each figure's header wraps at its spaces
+    cells = [max([len(r[i]) for r in rows], default=0) for i in range(len(COLUMNS))]
+    one_line = sum(max(len(c), w) for c, w in zip(COLUMNS, cells)) + 3 * len(COLUMNS) + 1
+    for i, col in enumerate(COLUMNS):
+        if i == 0:
+            table.add_column(col, no_wrap=True, min_width=cells[0])
+        elif one_line <= console.width:
+            table.add_column(col)
+        else:
+            header = col if len(col) <= max(cells[i], 6) else col.replace("/", "/ ")
+            words = [header] if header == col else header.split()
+            table.add_column(header, width=max(cells[i], *map(len, words)))
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
     peak = next(iter(arms.values()), {})
     if peak.get("vram_peak_reserved_mib") is not None:  # CUDA only
         budget = _f(peak["vram_budget_mib"], "{:,.0f} MiB")
