@@ -319,7 +319,7 @@ def open_session(a: argparse.Namespace, env):
     """The Session `ftchat run` would open with these flags."""
     from ftchat.resolve import resolve_model
     from ftchat.session import Session
-    from ftchat.settings import resolve_settings
+    from ftchat.settings import generation_defaults, resolve_settings
     from ftchat.ui.run import apply_threads
 
     flags = {k: getattr(a, k) for k in ENGINE_FLAGS}
@@ -327,6 +327,7 @@ def open_session(a: argparse.Namespace, env):
                                  "batch_size": max(a.side, 1)}, env)
     apply_threads(settings)
     resolved = resolve_model(a.model, env)
+    settings = settings.with_generation_defaults(generation_defaults(resolved.path))
     return resolved, Session.open(resolved.path, settings)
 
 
