@@ -45,6 +45,11 @@ class Sampling:
         """The plain argmax: no temperature and no penalty."""
         return self.temperature == 0 and self.repeat_penalty == 1
 
+    @property
+    def sampled(self) -> bool:
+        """Tokens drawn at random (temperature above 0): the reply has a seed."""
+        return self.temperature > 0
+
     @classmethod
     def from_settings(cls, s) -> Sampling:
         """The settings' sampling; a field they leave unset (None) takes the default here."""
@@ -57,7 +62,7 @@ class Sampling:
     def with_seed(self) -> Sampling:
         """This request with its seed fixed (a random one where none was given), so that the
         reply can say which seed reproduces it."""
-        if self.greedy or self.seed is not None:
+        if not self.sampled or self.seed is not None:  # a penalty alone draws nothing
             return self
         return dataclasses.replace(self, seed=secrets.randbits(63))
 

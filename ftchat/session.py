@@ -365,7 +365,7 @@ class Session:
                         ended[b] = reasons[b] is not None
                         yield StepRecord(seqs[b], tok, step.n[b], reasons[b], len(prompts[b]),
                                          step.prefill_s[b], step.decode_s, fig,
-                                         None if params[b].greedy else params[b].seed)
+                                         params[b].seed if params[b].sampled else None)
                 if final:
                     break  # every row has ended (some by a stop string): no more steps
         finally:
@@ -424,7 +424,7 @@ class Session:
         watch = _StopWatch(self.tokenizer, self.settings.stop) if self.settings.stop else None
         steps = self._decode(dec, [turn], [self.length], [self.settings.max_new_tokens],
                              self.tokenizer.eos_ids, params, on_prefill)
-        seed = None if params[0].greedy else params[0].seed
+        seed = params[0].seed if params[0].sampled else None
         tok = None  # the last token shown: the loop feeds it only if it runs on
         try:
             for step in steps:

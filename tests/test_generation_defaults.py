@@ -91,7 +91,9 @@ def test_the_files_penalty_is_the_default_and_a_flag_beats_it(tiny_bf16, tmp_pat
     def tokens(model, *flags):
         code, out, err = _main([run[0], model, *run[1:], *flags], capsys, monkeypatch)
         assert code == 0, err
-        return _records(out)[0]["tokens"], err
+        reply = _records(out)[0]
+        assert "seed" not in reply  # a penalty alone draws nothing: no seed to report
+        return reply["tokens"], err
 
     plain, err = tokens(tiny_bf16)
     assert "generation_config" not in err
