@@ -50,6 +50,9 @@ class Settings:
     # prefetch off on a PCIe-5 one (the link model); docs/routing.md
     budget_gdn: int = 1
     budget_attn: int = 1
+    # --budget auto: both budgets measured at run time from the link's and the compute's
+    # speed (ftchat/offload/budget.py), at most AUTO_CAP
+    budget_auto: bool = False
     candidates: int = 16  # router-lookahead top-K
     slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
     expert_vram_gib: float | None = None
@@ -402,20 +405,30 @@ def resolve_one(field: str, flag: object, env: Mapping[str, str]) -> object:
     return getattr(Settings(), field)
 
 
-def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, int]:
-    # --budget-gdn / --budget-attn beat --budget, which beats the variable (it sets both).
-    parse = _int(0)
-    out: dict[str, int] = {}
+def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, object]:
+    # --budget-gdn / --budget-attn beat --budget, which beats the variable (it sets both);
+    # `auto` (--budget or the variable) measures both at run time
+    out: dict[str, object] = {}
     if env.get(ENV_BUDGET, "").strip():
-        n = parse(env[ENV_BUDGET], ENV_BUDGET)
-        out = {"budget_gdn": n, "budget_attn": n}
+        out = _budget_value(env[ENV_BUDGET], ENV_BUDGET)
     if flags.get("budget") is not None:
-        n = parse(flags["budget"], "--budget")
-        out = {"budget_gdn": n, "budget_attn": n}
+        out = _budget_value(flags["budget"], "--budget")
     for field, flag in (("budget_gdn", "--budget-gdn"), ("budget_attn", "--budget-attn")):
         if flags.get(field) is not None:
-            out[field] = parse(flags[field], flag)
+            out[field] = _int(0)(flags[field], flag)
+            out["budget_auto"] = False
     return out
+
+
+def _budget_value(value: object, source: str) -> dict[str, object]:
+    """`auto` or an integer >= 0, for both budgets."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return {"budget_auto": True}
+    try:
+        n = _int(0)(value, source)
+    except SettingsError:
+        raise _fail(source, value, "auto or a non-negative integer") from None
+    return {"budget_gdn": n, "budget_attn": n, "budget_auto": False}
 
 
 # ===== overrides (bench arms): the same parsers, values given as text =====
@@ -431,10 +444,11 @@ def override(base: Settings, flags: Mapping[str, str]) -> Settings:
     values: dict[str, object] = {}
     by_key = {src[0]: (field, src) for field, src in _SOURCES.items()}
     for key, text in flags.items():
-        if key in ("budget", "budget_gdn", "budget_attn"):
-            n = _int(0)(text, "--" + key.replace("_", "-"))
-            values.update({f: n for f in ("budget_gdn", "budget_attn")} if key == "budget"
-                          else {key: n})
+        if key == "budget":
+            values.update(_budget_value(text, "--budget"))
+            continue
+        if key in ("budget_gdn", "budget_attn"):
+            values.update({key: _int(0)(text, "--" + key.replace("_", "-")), "budget_auto": False})
             continue
         if key not in by_key:
             raise SettingsError(f"unknown setting {key!r}")

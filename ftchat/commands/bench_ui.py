@@ -116,6 +116,8 @@ def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,
     for col in COLUMNS:
         table.add_column(col)
     for name, v in arms.items():
+        if v.get("budget_auto") is not None:  # the budget --budget auto measured and chose
+            name = f"{name} (auto {v['budget_auto']})"
         table.add_row(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"),
                       f"{v['ms_per_layer']:.3f}", f"{v['misses_per_token']:.1f}",
                       f"{v['useful_per_layer']:.2f}", _f(v["precision"], "{:.2f}"))
