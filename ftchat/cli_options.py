@@ -142,9 +142,10 @@ Prefetch = Annotated[str | None, typer.Option(
     metavar="MODE", rich_help_panel=OFFLOAD,
     help="Expert prefetch: off (default), measure (predict and count, copy nothing) or on "
     "(env FREETOKEN_MOE_PREFETCH)")]
-Budget = Annotated[int | None, typer.Option(
-    metavar="N", rich_help_panel=OFFLOAD,
-    help="Prefetch budget before every layer (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
+Budget = Annotated[str | None, typer.Option(
+    metavar="N|auto", rich_help_panel=OFFLOAD,
+    help="Prefetch budget before every layer; auto: the rows the link carries under one "
+    "layer's compute, measured at run time (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
 BudgetGdn = Annotated[int | None, typer.Option(
     metavar="N", rich_help_panel=OFFLOAD,
     help=f"Budget before GDN layers (default {_D.budget_gdn})")]
@@ -198,7 +199,7 @@ BenchPrefetch = Annotated[str | None, typer.Option(
     "on, resident (every expert in VRAM) (default off,on)")]
 BenchBudget = Annotated[str | None, typer.Option(
     "--budget", metavar="LIST", help="Prefetch budgets of the measure and on arms, one arm "
-    "each (default 1,4)")]
+    "each: N or auto (default 1,4)")]
 BenchContexts = Annotated[str | None, typer.Option(
     "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k (default 4k, less "
     "where the model's positions need it)")]

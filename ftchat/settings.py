@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 import dataclasses
-import json
-from pathlib import Path
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from ftchat.errors import FtchatError, ModelError, SettingsError
+from ftchat.errors import FtchatError, SettingsError
 
 # torch, and every ftchat module that imports it, is imported on use (in the methods below):
 # `ftchat --help` and a flag error stay instant
@@ -52,6 +50,9 @@ class Settings:
     # prefetch off on a PCIe-5 one (the link model); docs/routing.md
     budget_gdn: int = 1
     budget_attn: int = 1
+    # --budget auto: both budgets measured at run time from the link's and the compute's
+    # speed (ftchat/offload/budget.py), at most AUTO_CAP
+    budget_auto: bool = False
     candidates: int = 16  # router-lookahead top-K
     slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
     expert_vram_gib: float | None = None
@@ -93,7 +94,7 @@ class Settings:
 
     def with_generation_defaults(self, defaults: Mapping[str, float]) -> Settings:
         """These settings with the sampling fields not given (None) taken from `defaults` (a
-        model's `generation_defaults`): a flag beats the model's file."""
+        model's generation_defaults.py): a flag beats the model's file."""
         return dataclasses.replace(self, **{field: value for field, value in defaults.items()
                                             if getattr(self, field) is None})
 
@@ -232,46 +233,7 @@ TEMPERATURE = _number(0.0, expected="a number >= 0 (0: greedy)")
 TOP_P = _number(0.0, 1.0, low_open=True, expected="a number above 0 and at most 1")
 MIN_P = _number(0.0, 1.0, expected="a number from 0 to 1 (0: off)")
 REPEAT_PENALTY = _number(0.0, low_open=True, expected="a positive number (1: no penalty)")
-
-# ===== a model's generation defaults: generation_config.json, read as transformers reads it =====
-
-# key -> (Settings field, parser, transformers' value when "do_sample" is true and the key is
-# absent); every key but repetition_penalty counts only with "do_sample": true (without it
-# transformers decodes greedily and ignores them)
-GENERATION_KEYS = {
-    "repetition_penalty": ("repeat_penalty", REPEAT_PENALTY, None),
-    "temperature": ("temperature", TEMPERATURE, 1.0),
-    "top_k": ("top_k", _int(0), 50),
-    "top_p": ("top_p", TOP_P, 1.0),
-    "min_p": ("min_p", MIN_P, None),
-}
-
-
-def generation_defaults(folder: Path) -> dict[str, float]:
-    """Settings field -> value from `folder`'s generation_config.json ({} without one); a bad
-    value is a ModelError naming the file and the key."""
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        return {}
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise ModelError(f"cannot read {path}: {e}") from None
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{path} is not a JSON object")
-    sampled = cfg.get("do_sample") is True
-    out: dict[str, float] = {}
-    for key, (field, parse, sampled_default) in GENERATION_KEYS.items():
-        if key != "repetition_penalty" and not sampled:
-            continue
-        value = cfg.get(key, sampled_default)
-        if value is not None:
-            try:
-                out[field] = parse(value, key)
-            except SettingsError as e:
-                raise ModelError(f"{path}: {e}") from None
-    return out
-
+TOP_K = _int(0)
 
 def _seed(value: object, where: str) -> int:
     n = _int(0)(value, where)
@@ -450,20 +412,30 @@ def resolve_one(field: str, flag: object, env: Mapping[str, str]) -> object:
     return getattr(Settings(), field)
 
 
-def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, int]:
-    # --budget-gdn / --budget-attn beat --budget, which beats the variable (it sets both).
-    parse = _int(0)
-    out: dict[str, int] = {}
+def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, object]:
+    # --budget-gdn / --budget-attn beat --budget, which beats the variable (it sets both);
+    # `auto` (--budget or the variable) measures both at run time
+    out: dict[str, object] = {}
     if env.get(ENV_BUDGET, "").strip():
-        n = parse(env[ENV_BUDGET], ENV_BUDGET)
-        out = {"budget_gdn": n, "budget_attn": n}
+        out = _budget_value(env[ENV_BUDGET], ENV_BUDGET)
     if flags.get("budget") is not None:
-        n = parse(flags["budget"], "--budget")
-        out = {"budget_gdn": n, "budget_attn": n}
+        out = _budget_value(flags["budget"], "--budget")
     for field, flag in (("budget_gdn", "--budget-gdn"), ("budget_attn", "--budget-attn")):
         if flags.get(field) is not None:
-            out[field] = parse(flags[field], flag)
+            out[field] = _int(0)(flags[field], flag)
+            out["budget_auto"] = False
     return out
+
+
+def _budget_value(value: object, source: str) -> dict[str, object]:
+    """`auto` or an integer >= 0, for both budgets."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return {"budget_auto": True}
+    try:
+        n = _int(0)(value, source)
+    except SettingsError:
+        raise _fail(source, value, "auto or a non-negative integer") from None
+    return {"budget_gdn": n, "budget_attn": n, "budget_auto": False}
 
 
 # ===== overrides (bench arms): the same parsers, values given as text =====
@@ -479,10 +451,11 @@ def override(base: Settings, flags: Mapping[str, str]) -> Settings:
     values: dict[str, object] = {}
     by_key = {src[0]: (field, src) for field, src in _SOURCES.items()}
     for key, text in flags.items():
-        if key in ("budget", "budget_gdn", "budget_attn"):
-            n = _int(0)(text, "--" + key.replace("_", "-"))
-            values.update({f: n for f in ("budget_gdn", "budget_attn")} if key == "budget"
-                          else {key: n})
+        if key == "budget":
+            values.update(_budget_value(text, "--budget"))
+            continue
+        if key in ("budget_gdn", "budget_attn"):
+            values.update({key: _int(0)(text, "--" + key.replace("_", "-")), "budget_auto": False})
             continue
         if key not in by_key:
             raise SettingsError(f"unknown setting {key!r}")

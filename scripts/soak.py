@@ -319,7 +319,8 @@ def open_session(a: argparse.Namespace, env):
     """The Session `ftchat run` would open with these flags."""
     from ftchat.resolve import resolve_model
     from ftchat.session import Session
-    from ftchat.settings import generation_defaults, resolve_settings
+    from ftchat.generation_defaults import generation_defaults
+    from ftchat.settings import resolve_settings
     from ftchat.ui.run import apply_threads
 
     flags = {k: getattr(a, k) for k in ENGINE_FLAGS}

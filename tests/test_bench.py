@@ -17,7 +17,7 @@ from ftchat.settings import Settings
     ("", "no arm given"),
     ("off;off", "given twice"),
     ("sideways", "expected resident, off, measure or on"),
-    ("on:budget=x", "--budget 'x': expected a non-negative integer"),
+    ("on:budget=x", "--budget 'x': expected auto or a non-negative integer"),
     ("off:eviction=fifo", "--eviction 'fifo': expected rule, lru or score"),
     ("on:colour=red", "unknown setting 'colour'"),
     ("on:budget", "is not key=value"),

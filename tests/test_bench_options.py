@@ -50,6 +50,7 @@ def _main(argv, capsys, monkeypatch):
     ("resident,off,on", "2", "resident;off;on:budget=2"),
     ("off,measure", "1,4", "off;measure:budget=1;measure:budget=4"),
     ("on,off", " 0 , 3 ", "on:budget=0;on:budget=3;off"),  # in the order given
+    ("off,on", "1,auto", "off;on:budget=1;on:budget=auto"),
 ])
 def test_choices_stand_for_arms(prefetch, budget, arms):
     assert arms_of_choices(prefetch, budget) == arms
@@ -66,7 +67,7 @@ def parse_arm_names(arms: str):
     ("off,fast", None, "--prefetch 'fast': expected a list of resident, off, measure, on"),
     ("off,,on", None, "--prefetch 'off,,on': expected a comma-separated list"),
     ("off,off", None, "--prefetch 'off,off': an item is given twice"),
-    ("on", "two", "--budget 'two': expected non-negative integers"),
+    ("on", "two", "--budget 'two': expected non-negative integers or auto"),
     ("on", "-1", "--budget '-1': expected non-negative integers"),
     ("off,resident", "2", "--budget: only the measure and on arms have a budget"),
 ])

@@ -224,7 +224,7 @@ BAD = [
      {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": "{tmp}/hub"}, "hi",
      "not in the Hugging Face cache (HF_HUB_OFFLINE is set)", ["run", "{model}"], {}),
     ("invalid-flag-value", ["run", "{model}", "--budget", "-1"], {}, "hi",
-     "--budget -1: expected a non-negative integer", ["run", "{model}", "--budget", "1"], {}),
+     "--budget '-1': expected auto or a non-negative integer", ["run", "{model}", "--budget", "1"], {}),
     ("flag-not-a-number", ["run", "{model}", "--candidates", "x"], {}, "hi",
      "Invalid value for '--candidates'", ["run", "{model}", "--candidates", "2"], {}),
     ("unknown-flag", ["run", "{model}", "--bogus"], {}, "hi", "No such option: --bogus",

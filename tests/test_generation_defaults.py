@@ -17,7 +17,7 @@ import torch
 from ftchat.cli import main
 from ftchat.errors import ModelError
 from ftchat.resolve import SHIPPED_DEMO
-from ftchat.settings import generation_defaults
+from ftchat.generation_defaults import generation_defaults
 
 
 def _main(argv, capsys, monkeypatch, stdin: str = ""):

@@ -22,7 +22,8 @@ SKIP_FAMILIES = ("hc", "gemv", "nvfp4", "routed", "router", "gdn", "qsa")  # ker
 
 # (key=example, which arms take it, what it sets)
 ARM_KEYS = (
-    ("budget=4", "offload", "prefetch budget before every layer (--budget)"),
+    ("budget=4", "offload", "prefetch budget before every layer, or auto: measured at run "
+     "time (--budget)"),
     ("budget_gdn=4", "offload", "budget before GDN layers (--budget-gdn)"),
     ("budget_attn=4", "offload", "budget before attention layers (--budget-attn)"),
     ("candidates=16", "offload", "router-lookahead candidates (--candidates)"),
@@ -90,14 +91,16 @@ def arms_of_choices(prefetch: str | None, budget: str | None) -> str:
                           "(e.g. off,on)")
     budgets = _items(budget or "1,4", "--budget")
     for b in budgets:
-        if not b.isdigit():
-            raise FtchatError(f"--budget {b!r}: expected non-negative integers (e.g. 1,4)")
+        if not (b.isdigit() or b == "auto"):
+            raise FtchatError(f"--budget {b!r}: expected non-negative integers or auto "
+                              "(e.g. 1,4,auto)")
     if budget is not None and not {"measure", "on"} & set(modes):
         raise FtchatError("--budget: only the measure and on arms have a budget; add on to "
                           "--prefetch")
     arms: list[str] = []
     for m in modes:
-        arms += [f"{m}:budget={int(b)}" for b in budgets] if m in ("measure", "on") else [m]
+        arms += [f"{m}:budget={b if b == 'auto' else int(b)}" for b in budgets] \
+            if m in ("measure", "on") else [m]
     return ";".join(arms)
 
 

@@ -113,9 +113,13 @@ def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,
                    rounds: int, routing: RoutingSource) -> None:
     table = Table(title=f"context {ctx}: {rounds} interleaved rounds of {steps} tokens, "
                   f"routing {routing}")
-    rows = [(name, f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"), f"{v['ms_per_layer']:.3f}",
-             f"{v['misses_per_token']:.1f}", f"{v['useful_per_layer']:.2f}",
-             _f(v["precision"], "{:.2f}")) for name, v in arms.items()]
+    # the budget --budget auto measured and chose, beside the arm's name
+    names = {name: name if v.get("budget_auto") is None else f"{name} (auto {v['budget_auto']})"
+             for name, v in arms.items()}
+    rows = [(names[name], f"{v['tok_s']:.2f}", _f(v["vs_off"], "{:.3f}"),
+             f"{v['ms_per_layer']:.3f}", f"{v['misses_per_token']:.1f}",
+             f"{v['useful_per_layer']:.2f}", _f(v["precision"], "{:.2f}"))
+            for name, v in arms.items()]
     console = Console(file=out)
     # the arm names whole (two budgets must not both read `on:budget…`); where the one-line
     # headers do not fit the terminal (80 columns), each figure's header wraps at its spaces

@@ -270,8 +270,8 @@ def ensure_slots(ids: Tensor, slot_of: Tensor, id_of: Tensor, key: Tensor, clock
 
 @_jit(do_not_specialize=_PLAIN_INTS + ["budget"])
 def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_ptr,
-                     installs_ptr, src_ptr, dst_ptr, count_ptr, base, layer, S, N, budget,
-                     C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, VB: tl.constexpr,
+                     installs_ptr, src_ptr, dst_ptr, count_ptr, limit_ptr, base, layer, S, N,
+                     budget, LIMITED: tl.constexpr, C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, VB: tl.constexpr,
                      BLOCK: tl.constexpr, TILES: tl.constexpr, TB: tl.constexpr,
                      LOW: tl.constexpr, RES: tl.constexpr, MASKED: tl.constexpr,
                      HIT_BITS: tl.constexpr, HMASK: tl.constexpr, RANK_BITS: tl.constexpr,
@@ -284,6 +284,8 @@ def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_
     eligible = first & (slot < 0)  # distinct, not resident; priority = candidate order
     rank = tl.cumsum(eligible.to(tl.int32), axis=0) - 1
     picks = tl.minimum(tl.sum(eligible.to(tl.int32), axis=0), budget)
+    if LIMITED:  # a per-layer budget on the device (the adaptive budget), at most `budget`
+        picks = tl.minimum(picks, tl.load(limit_ptr + layer))
     clock = tl.load(clock_ptr)
 
     # victims: never a protected slot nor the slot of a resident candidate
@@ -306,12 +308,16 @@ def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_
 def prefetch_slots(candidates: Tensor, protect: Tensor, slot_of: Tensor, id_of: Tensor,
                    key: Tensor, clock: Tensor, installs: Tensor, base: int, layer: int,
                    budget: int, bands: KeyBands, tile: int | None = None,
-                   num_warps: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                   num_warps: int | None = None,
+                   limit: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """cache.prefetch_ensure as one kernel launch (grid 1); writes the maps and installs[layer].
 
     Args:
         candidates: [C] local expert ids of `layer`, best first; protect: [P] slots never evicted.
-        budget: most installs, 0..min(S, bands.max_budget - 1) (the caller checks).
+        budget: most installs, 0..min(S, bands.max_budget - 1) (the caller checks); the plan's
+            size.
+        limit: [L] int32 on the device, or None: installs also stop at limit[layer], read by
+            the kernel (a graph replay sees its current value).
     Returns (src [budget] int64, dst [budget] int32, count [1] int32).
     """
     n, s = slot_of.shape[0] - 1, key.shape[0] - 1
@@ -319,6 +325,8 @@ def prefetch_slots(candidates: Tensor, protect: Tensor, slot_of: Tensor, id_of: 
     assert candidates.device == protect.device == key.device
     _check_maps(slot_of, id_of, key, clock, installs)
     dev = key.device
+    if limit is not None:
+        assert limit.dtype == torch.int32 and limit.device == dev and 0 <= layer < limit.shape[0]
     c, p = candidates.shape[0], protect.shape[0]
     vb = _size(budget)
     src = torch.empty(vb, dtype=torch.int64, device=dev)  # entries past budget: scratch
@@ -327,8 +335,8 @@ def prefetch_slots(candidates: Tensor, protect: Tensor, slot_of: Tensor, id_of: 
     block, tiles, tb = tiling(s, tile)
     _prefetch_kernel[(1,)](
         _nonempty(candidates.contiguous()), _nonempty(protect.contiguous()), slot_of, id_of, key,
-        clock, installs, src, dst, count, base, layer, s, n, budget,
-        C=c, CB=_size(c), P=p, VB=vb, BLOCK=block, TILES=tiles, TB=tb,
+        clock, installs, src, dst, count, count if limit is None else limit, base, layer, s, n,
+        budget, LIMITED=limit is not None, C=c, CB=_size(c), P=p, VB=vb, BLOCK=block, TILES=tiles, TB=tb,
         num_warps=_warps(block, num_warps, 4096), **bands.constexprs(),
     )
     return src[:budget], dst[:budget], count

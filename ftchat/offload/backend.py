@@ -30,6 +30,7 @@ from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model.expert_backend import Pending, SharedOut
 from ftchat.codecs.rows import RowLayout
 from ftchat.offload import cache as sc
+from ftchat.offload.budget import AUTO_CAP, AutoBudget, StepClock, probe_row_seconds
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.experts import routed_experts_any
@@ -106,6 +107,7 @@ class OffloadConfig:
     prefetch: str  # Prefetch: off | measure | on
     budget_gdn: int  # prefetch budget when the prefetched layer is GDN
     budget_attn: int  # ... when it is attention
+    budget_auto: bool  # both budgets measured at run time (offload/budget.py), at most the above
     candidates: int  # router-lookahead top-K (at most the layer's experts)
     overlap: bool
     copy_programs: int
@@ -117,7 +119,11 @@ class OffloadConfig:
             if s.prefetch != "off" and b > top:
                 raise SettingsError(f"{flag} {b} (or --budget): expected 0 to {top}, at most "
                                     f"the {num_slots} expert slots")
-        return cls(num_slots, s.eviction, s.prefetch, s.budget_gdn, s.budget_attn,
+        if s.budget_auto:  # the plans are sized for the largest budget auto may pick
+            cap = min(AUTO_CAP, top)
+            return cls(num_slots, s.eviction, s.prefetch, cap, cap, True,
+                       min(s.candidates, num_experts), s.overlap, s.copy_programs)
+        return cls(num_slots, s.eviction, s.prefetch, s.budget_gdn, s.budget_attn, False,
                    min(s.candidates, num_experts), s.overlap, s.copy_programs)
 
 
@@ -152,6 +158,8 @@ class OffloadExperts:
                        if self.policy.reads_scores else None)
         self.maps.on_write = self.hooks.on_map_write
         self.bank = torch.zeros(cfg.num_slots + 1, layout.nbytes, dtype=torch.uint8, device=device)
+        # --budget auto: the per-layer budget the prefetch kernel reads from the device
+        self.auto = self._auto_budget() if cfg.budget_auto and cfg.prefetch == "on" else None
         # measure mode: per layer [selected, useful, demand misses] (what prefetch would do)
         self.measured = torch.zeros(self.num_layers, 3, dtype=torch.int64, device=device)
         # predictor output per layer [C] (written on the predictor stream)
@@ -204,6 +212,8 @@ class OffloadExperts:
         sc.clear(self.maps)
         if self.scores is not None:
             self.scores.reset()
+        if self.auto is not None:
+            self.auto.restart()
         self.tokens, self.started = 0, None
         self.measured.zero_()
         self.cands.zero_()
@@ -263,6 +273,8 @@ class OffloadExperts:
         self.tokens += tokens
         if self.started is None:
             self.started = time.perf_counter()
+        if self.auto is not None:
+            self.auto.end_step()
         self.hooks.end_step(self.view)
 
     def stats(self) -> dict[str, float | int | None]:
@@ -286,6 +298,8 @@ class OffloadExperts:
         if self.cfg.prefetch == "on":
             out.update(prefetch_copies=installs, useful_prefetches=useful,
                        precision=useful / installs if installs else None)
+            if self.auto is not None:  # None while the window is still measuring
+                out.update(budget_auto=self.auto.chosen, link_row_us=self.auto.row_s * 1e6)
         elif self.cfg.prefetch == "measure":
             selected, useful, missed = self.measured.sum(0).tolist()
             out.update(useful_prefetches=useful, precision=useful / selected if selected else None,
@@ -314,8 +328,22 @@ class OffloadExperts:
 
     def _install_prefetch(self, nxt: int, protect: Tensor) -> sc.PrefetchPlan:
         """prefetch_ensure(nxt) on the compute stream: the maps have one writer."""
+        limit = self.auto.limit if self.auto is not None else None
         return self._run_compute(lambda: prefetch_ensure_any(
-            self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect))
+            self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect, limit))
+
+    def _auto_budget(self) -> AutoBudget:
+        """Probe the link now (prefetch stream, no slot touched); the compute time is measured
+        over the first decode steps (offload/budget.py)."""
+        clock = StepClock(self.device)
+
+        def on_prefetch_stream(fn):
+            self.streams.run("prefetch", fn)
+            self.streams.synchronize()
+        row_s = probe_row_seconds(self.host, self.bank, on_prefetch_stream, clock,
+                                  self.cfg.copy_programs)
+        return AutoBudget(self.num_layers, self.cfg.budget_gdn, row_s, self.device,
+                          self.maps.stats.misses, clock)
 
     def _predict(self, nxt: int, x: Tensor) -> None:
         """Layer nxt's router on this layer's router input, on the predictor stream."""

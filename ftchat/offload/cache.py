@@ -276,6 +276,7 @@ def prefetch_ensure(
     candidates: Tensor,
     budget: int,
     protect: Tensor,
+    limit: Tensor | None = None,
 ) -> PrefetchPlan:
     """Install the first `budget` non-resident candidates of `layer` into low-priority slots.
 
@@ -283,12 +284,16 @@ def prefetch_ensure(
         candidates: [C] local expert ids of `layer`, best first (duplicates and residents allowed).
         budget: most installs, also the plan's fixed size.
         protect: slots being read (the previous demand plan's [B, K] slots): never evicted.
+        limit: [L] int32 on the maps' device, or None: installs also stop at limit[layer]
+            (the adaptive budget, ftchat/offload/budget.py; read on the device, no host sync).
     Low-priority keys do not depend on the eviction policy, so it takes none.
     """
     check_budget(maps, budget)
     n, s = maps.num_ids, maps.num_slots
     gid = candidates.reshape(-1).long() + layer * maps.num_experts  # [C]
     selected, rank, slot, resident = _select_candidates(maps, gid, budget)
+    if limit is not None:
+        selected &= rank < limit[layer]
     blocked = torch.zeros(s + 1, dtype=torch.bool, device=gid.device)
     blocked.index_fill_(0, protect.reshape(-1).long(), True)  # scratch mask, not a map
     blocked.index_fill_(0, torch.where(resident, slot, s), True)  # keep resident candidates

@@ -59,14 +59,15 @@ def ensure_triton(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolic
 
 def prefetch_ensure_triton(maps: SlotMaps, layer: int, candidates: Tensor, budget: int,
                            protect: Tensor, tile: int | None = None,
-                           num_warps: int | None = None) -> PrefetchPlan:
+                           num_warps: int | None = None,
+                           limit: Tensor | None = None) -> PrefetchPlan:
     """cache.prefetch_ensure as one kernel launch."""
     cache.check_budget(maps, budget)
     _announce(maps, _PREFETCH_WRITES)
     src, dst, count = prefetch_slots(
         candidates.reshape(-1), protect.reshape(-1), maps.slot_of, maps.id_of, maps.key,
         maps.clock, maps.stats.prefetch_installs, base=layer * maps.num_experts, layer=layer,
-        budget=budget, bands=KEY_BANDS, tile=tile, num_warps=num_warps)
+        budget=budget, bands=KEY_BANDS, tile=tile, num_warps=num_warps, limit=limit)
     return PrefetchPlan(src=src, dst=dst, count=count)
 
 
@@ -86,8 +87,8 @@ def ensure_any(maps: SlotMaps, layer: int, ids: Tensor, policy: EvictionPolicy) 
 
 
 def prefetch_ensure_any(maps: SlotMaps, layer: int, candidates: Tensor, budget: int,
-                        protect: Tensor) -> PrefetchPlan:
+                        protect: Tensor, limit: Tensor | None = None) -> PrefetchPlan:
     """cache.prefetch_ensure: the fused kernel on CUDA, else the torch reference."""
     if use_triton(maps):
-        return prefetch_ensure_triton(maps, layer, candidates, budget, protect)
-    return cache.prefetch_ensure(maps, layer, candidates, budget, protect)
+        return prefetch_ensure_triton(maps, layer, candidates, budget, protect, limit=limit)
+    return cache.prefetch_ensure(maps, layer, candidates, budget, protect, limit)

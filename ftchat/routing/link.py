@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ftchat.offload.budget import shadow_budget
+
 PCIE5_GBPS = 52.0  # host-to-device, measured on the H200 machine (docs/performance.md)
 PCIE4_GBPS = 26.0  # half of it: a PCIe-4 x16 slot
 
@@ -56,4 +58,4 @@ class LinkModel:
     def shadow_budget(self, num_layers: int) -> int:
         """Rows that fit on the link under one layer's compute: installs beyond it delay the
         next layer's demand copy (the adaptive budget's ceiling)."""
-        return round(self.compute_s / num_layers / self.row_s)
+        return shadow_budget(self.compute_s, num_layers, self.row_s)

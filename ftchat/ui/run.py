@@ -16,7 +16,8 @@ from ftchat.model.registry import load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.output_file import check_target
 from ftchat.session import Session
-from ftchat.settings import Settings, generation_defaults
+from ftchat.generation_defaults import generation_defaults
+from ftchat.settings import Settings
 from ftchat.ui.batch import Job, JobReader, LineSource, run_batch
 from ftchat.ui.chat import run_chat
 from ftchat.ui.panel import Screen, isatty

@@ -92,6 +92,7 @@ class Coverage:
     cut: int = 0  # prefetch calls that installed fewer than they selected (no free slot)
     victim_bands: set = field(default_factory=set)  # bands of the keys ensure/prefetch evicted
     capped: bool = False  # a rule key reached its frequency cap
+    limited: int = 0  # prefetch calls whose device limit was below the plan's size and supply
 
 
 def draw_ids(rng: random.Random, bs: int, k: int, e: int) -> torch.Tensor:
@@ -109,8 +110,11 @@ def draw_candidates(rng: random.Random, ids: torch.Tensor, e: int) -> torch.Tens
 
 
 def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, seed: int,
-               steps: int, warm: int | None = None, warps: int | None = None) -> Coverage:
-    """Decode-like: layers in order with random jumps, ensure(L) then prefetch_ensure(L + 1)."""
+               steps: int, warm: int | None = None, warps: int | None = None,
+               limited: bool = False) -> Coverage:
+    """Decode-like: layers in order with random jumps, ensure(L) then prefetch_ensure(L + 1).
+    limited: every prefetch plan is sized for the largest budget and the drawn budget is the
+    per-layer device limit (the adaptive budget's path), in both implementations."""
     layers = 4
     rng = random.Random(seed)
     ref = SlotMaps.create(layers, num_experts, num_slots, "cpu")
@@ -148,17 +152,24 @@ def random_run(num_slots: int, bs: int, k: int, num_experts: int, policy, tile, 
             nxt = (layer + 1) % layers if rng.random() < 0.8 else rng.randrange(layers)
             cands = draw_candidates(rng, draw_ids(rng, bs, k, num_experts), num_experts)
             budget = rng.randint(0, min(6, num_slots))
+            lim = {}
+            if limited:  # plan size 6 (or S); the drawn budget becomes layer nxt's limit
+                lim = {"limit": torch.full((layers,), budget, dtype=torch.int32)}
+                budget = min(6, num_slots)
             prot = protect if rng.random() < 0.8 else torch.tensor(
                 rng.sample(range(num_slots), rng.randint(0, min(num_slots, 8))), dtype=torch.int32)
             snapshot = ref.key.clone()
             distinct_new = len({c for c in cands.tolist()
                                 if ref.slot_of[nxt * num_experts + c] < 0})
-            pp = cache.prefetch_ensure(ref, nxt, cands, budget, prot)
+            pp = cache.prefetch_ensure(ref, nxt, cands, budget, prot, **lim)
             if twin:
-                qq = prefetch_k(dev, nxt, cands.to(DEVICE), budget, prot.to(DEVICE))
+                qq = prefetch_k(dev, nxt, cands.to(DEVICE), budget, prot.to(DEVICE),
+                                **{n: t.to(DEVICE) for n, t in lim.items()})
                 assert_same_plan(pp, qq, (step, "prefetch"))
                 assert_same_maps(ref, dev, (step, "prefetch"))
-                cov.cut += int(pp.count) < min(budget, distinct_new)
+                cov.cut += int(pp.count) < min(int(lim.get("limit", [budget])[0]), budget,
+                                               distinct_new)
+                cov.limited += bool(lim) and int(lim["limit"][0]) < min(budget, distinct_new)
                 cov.victim_bands |= set(band_of(snapshot[pp.dst[: int(pp.count)].long()]).tolist())
         if twin and policy.freq_cap > 1:
             resident = band_of(ref.key[:-1]) == 2
@@ -197,6 +208,16 @@ def test_random_runs_leave_identical_maps_and_plans(case):
         assert cov.promoted > 0
         if policy.freq_cap > 1 and S >= 300:  # smaller caches evict before 16 uses
             assert cov.capped
+
+
+@pytest.mark.parametrize("case", CASES[:4] + CASES[8:10] + CASES[12:13],
+                         ids=lambda c: f"S{c[0]}-bs{c[1]}-k{c[2]}-E{c[3]}-{c[4].name}-tile{c[5]}")
+def test_random_runs_with_a_device_limit_leave_identical_maps_and_plans(case):
+    S, bs, k, E, policy, tile = case
+    cov = random_run(S, bs, k, E, policy, tile, seed=CASES.index(case), steps=STEPS,
+                     limited=True)
+    assert cov.misses > 0 and cov.hits > 0
+    assert cov.limited > 0  # the limit, not the plan's size, stopped some plans
 
 
 def test_random_runs_from_a_cold_cache():

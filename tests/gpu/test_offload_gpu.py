@@ -74,13 +74,42 @@ def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap
     folder = folders[fmt]
     steps = STEPS if graph else EAGER_STEPS
     ref = resident(folder, bs, graph, steps)
-    for prefetch, policy in (("off", "lru"), ("on", "rule"), ("on", "lru"), ("off", "score"),
-                             ("on", "score")):
+    for prefetch, policy, auto in (("off", "lru", False), ("on", "rule", False),
+                                   ("on", "lru", False), ("off", "score", False),
+                                   ("on", "score", False), ("on", "rule", True)):
         (tokens, logits), ex = offloaded(folder, bs, graph, steps, slots=bs * 4 + 10,
-                                         eviction=policy, overlap=overlap, prefetch=prefetch)
-        assert tokens == ref[0], (prefetch, policy)
-        assert torch.equal(logits, ref[1]), (prefetch, policy)
+                                         eviction=policy, overlap=overlap, prefetch=prefetch,
+                                         budget_auto=auto)
+        assert tokens == ref[0], (prefetch, policy, auto)
+        assert torch.equal(logits, ref[1]), (prefetch, policy, auto)
         assert int(ex.maps.stats.misses.sum()) > 0
+        if auto:
+            assert ex.auto.chosen is not None and ex.auto.row_s > 0
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_a_replayed_graph_reads_the_budget_auto_sets(folders, graph, monkeypatch):
+    # the window's measurement replaced by one that gives budget 1 (plans are sized 4): under
+    # graph replay the kernel reads the new limit, so installs stay at one a layer a step
+    from ftchat.offload.budget import SKIP_STEPS, WINDOW_STEPS, AutoBudget
+    real_choose = AutoBudget.choose
+
+    def one_row_a_layer(self, step_s, misses):
+        return real_choose(self, self.num_layers * self.row_s + misses * self.row_s, misses)
+    monkeypatch.setattr(AutoBudget, "choose", one_row_a_layer)
+    f = folders["nvfp4-modelopt"]
+    steps = STEPS if graph else EAGER_STEPS
+    (tokens, logits), ex = offloaded(f, 1, graph, steps, slots=14, prefetch="on",
+                                     budget_auto=True)
+    assert ex.auto.chosen == 1 and ex.cfg.budget_gdn == 4
+    installs = ex.maps.stats.prefetch_installs
+    assert 0 < int(installs.max()) <= steps - 1 - (SKIP_STEPS + WINDOW_STEPS)
+    ref = resident(f, 1, graph, steps)
+    assert tokens == ref[0] and torch.equal(logits, ref[1])
+    # control: a fixed budget of 4 installs more than one a layer a step on the same run
+    _, fixed = offloaded(f, 1, graph, steps, slots=14, prefetch="on", budget_gdn=4, budget_attn=4)
+    assert int(fixed.maps.stats.prefetch_installs.max()) > steps - 1 - (SKIP_STEPS
+                                                                        + WINDOW_STEPS)
 
 
 def test_graph_replay_equals_eager(folders):

@@ -1,0 +1,125 @@
+"""`--budget auto`: the prefetch budget that fills the link's idle time under one layer's compute.
+
+A prefetch copy of layer l+1 rides the link while layer l computes. Installs beyond what fits
+in that time delay l+1's demand copy, which is on the critical path; installs within it cost
+only the residents they evict. So the budget is the number of rows the link carries in one
+layer's compute time (docs/routing.md 4):
+
+    budget = round(T_compute / L / t_row), clamped to 0..cap
+
+Both times are measured in this process, on this machine:
+  t_row      at construction: a timed copy of `LINK_PROBE_ROWS` expert rows from the host store
+             into the bank's sink row (no slot is touched), best of three;
+  T_compute  over the first `WINDOW_STEPS` decode steps after `SKIP_STEPS`, run with budget 0
+             (prefetch predicts but installs nothing, so the step is the prefetch-off step):
+             the mean step time less the demand copies' link time (misses x t_row).
+The budget lives in a device tensor [L] int32 that the prefetch kernel reads (`limit`), so a
+captured graph picks the new value up without a recapture. The first measurement is kept for
+the process: link and compute do not change between sequences. One host sync, at the end of
+the window (the step times and the miss count).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ftchat.offload.copy import copy_rows
+
+LINK_PROBE_ROWS = 32  # rows in the link probe: a few MB at the real geometry
+SKIP_STEPS = 2  # decode steps before the window (the first ones after a prefill or capture)
+WINDOW_STEPS = 8  # decode steps timed at budget 0
+AUTO_CAP = 4  # the largest budget auto picks (and the prefetch plan's size)
+
+
+def shadow_budget(compute_s: float, num_layers: int, row_s: float) -> int:
+    """Rows the link carries under one layer's compute: round(T_compute / L / t_row)."""
+    return round(compute_s / num_layers / row_s)
+
+
+class StepClock:
+    """Time stamps on the compute stream: CUDA events (read after a sync), else the host clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> object:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def seconds(self, start: object, end: object) -> float:
+        """SYNC on CUDA: waits for `end`."""
+        if self.cuda:
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return end - start
+
+
+def probe_row_seconds(host: Tensor, bank: Tensor, run_copy: Callable[[Callable[[], None]], None],
+                      clock: StepClock, programs: int) -> float:
+    """Seconds one expert row takes over the link: copies of LINK_PROBE_ROWS host rows into the
+    sink row (bank row S), timed as the prefetch copies run (`run_copy` puts the work on the
+    prefetch stream). Best of three after one warm-up."""
+    n = min(LINK_PROBE_ROWS, host.shape[0])
+    src = torch.arange(n, dtype=torch.int64, device=bank.device)  # [n]
+    dst = torch.full((n,), bank.shape[0] - 1, dtype=torch.int32, device=bank.device)  # the sink
+    count = torch.tensor([n], dtype=torch.int32, device=bank.device)
+    best = float("inf")
+    for i in range(4):
+        start = []
+
+        def copy():
+            start.append(clock.mark())
+            copy_rows(host, bank, src, dst, count, programs)
+            start.append(clock.mark())
+        run_copy(copy)
+        if i > 0:  # the first one compiles and warms up
+            best = min(best, clock.seconds(start[0], start[1]))
+    return max(best, 1e-12) / n
+
+
+class AutoBudget:
+    """The adaptive budget of one offload backend. `limit` [L] int32 is what the prefetch kernel
+    reads; `end_step` runs after every decode step (on the host, outside any graph)."""
+
+    def __init__(self, num_layers: int, cap: int, row_s: float, device: torch.device,
+                 misses: Tensor, clock: StepClock):
+        self.num_layers, self.cap, self.row_s = num_layers, cap, row_s
+        self.misses = misses  # [L] int64 running demand-miss counters (the maps' stats)
+        self.clock = clock
+        self.limit = torch.zeros(num_layers, dtype=torch.int32, device=device)  # budget 0 first
+        self.chosen: int | None = None  # the budget, once measured
+        self.compute_s: float | None = None  # the measured compute time of a step
+        self.steps = 0
+        self.start: tuple[object, Tensor] | None = None  # (time stamp, misses so far)
+
+    def restart(self) -> None:
+        """The cache was emptied: a window in progress starts again (a chosen budget stays)."""
+        self.steps, self.start = 0, None
+
+    def end_step(self) -> None:
+        if self.chosen is not None:
+            return
+        self.steps += 1
+        if self.steps == SKIP_STEPS:
+            self.start = (self.clock.mark(), self.misses.sum())  # the sum stays on the device
+        elif self.steps == SKIP_STEPS + WINDOW_STEPS:
+            t0, m0 = self.start
+            step_s = self.clock.seconds(t0, self.clock.mark()) / WINDOW_STEPS  # SYNC
+            misses = int(self.misses.sum() - m0) / WINDOW_STEPS  # SYNC
+            self.choose(step_s, misses)
+
+    def choose(self, step_s: float, misses_per_step: float) -> int:
+        """Set the budget from a measured step time and its demand misses (one call)."""
+        # the demand copies are on the critical path at budget 0; what remains is compute
+        self.compute_s = max(step_s - misses_per_step * self.row_s, 0.0)
+        b = shadow_budget(self.compute_s, self.num_layers, self.row_s)
+        self.chosen = min(max(b, 0), self.cap)
+        self.limit.fill_(self.chosen)  # on the compute stream, before the next step
+        return self.chosen

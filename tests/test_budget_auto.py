@@ -1,0 +1,180 @@
+"""`--budget auto` (ftchat/offload/budget.py): the device limit in the prefetch reference, the
+budget chosen from measured times, the measuring window, and prefetch on == off under it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from ftchat.errors import SettingsError
+from ftchat.offload import cache
+from ftchat.offload.budget import SKIP_STEPS, WINDOW_STEPS, AutoBudget, StepClock
+from ftchat.offload.cache import SlotMaps, check_invariants
+from ftchat.offload.policy import RULE
+from ftchat.settings import Settings, override, resolve_settings
+from tests.offload_util import InvariantChecker, model, reference, run
+
+
+def _maps(layers=3, experts=24, slots=20):
+    return SlotMaps.create(layers, experts, slots, "cpu")
+
+
+def test_a_device_limit_installs_what_the_same_integer_budget_installs():
+    # plan sized 6 with limit b == plan sized b: the same maps after every call, the same rows
+    rng = random.Random(0)
+    layers, experts = 3, 24
+    a, b = _maps(layers, experts), _maps(layers, experts)
+    limited_below_supply = 0
+    for step in range(400):
+        layer = step % layers
+        ids = torch.tensor([rng.sample(range(experts), 4)])
+        pa, pb = cache.ensure(a, layer, ids, RULE), cache.ensure(b, layer, ids, RULE)
+        assert torch.equal(pa.slots, pb.slots)
+        nxt = (layer + 1) % layers
+        cands = torch.tensor([rng.randrange(experts) for _ in range(rng.randint(1, 12))])
+        budget = rng.randint(0, 6)
+        fresh = len({c for c in cands.tolist() if a.slot_of[nxt * experts + c] < 0})
+        limit = torch.full((layers,), budget, dtype=torch.int32)
+        qa = cache.prefetch_ensure(a, nxt, cands, 6, pa.slots, limit)
+        qb = cache.prefetch_ensure(b, nxt, cands, budget, pb.slots)
+        n = int(qb.count)
+        assert int(qa.count) == n
+        assert qa.src[:n].tolist() == qb.src[:n].tolist()
+        assert qa.dst[:n].tolist() == qb.dst[:n].tolist()
+        assert (qa.src[n:] == a.num_ids).all() and (qa.dst[n:] == a.num_slots).all()  # sinks
+        for name in ("slot_of", "id_of", "key"):  # the last entry is a sink (unspecified)
+            assert torch.equal(getattr(a, name)[:-1], getattr(b, name)[:-1]), (step, name)
+        assert torch.equal(a.clock, b.clock)
+        assert torch.equal(a.stats.prefetch_installs, b.stats.prefetch_installs)
+        limited_below_supply += budget < min(6, fresh)
+    assert limited_below_supply > 50  # the limit, not the plan's size, cut many plans
+    assert check_invariants(a) == []
+
+
+def test_the_limit_is_read_per_layer():
+    m = _maps(layers=2, experts=24, slots=20)
+    limit = torch.tensor([0, 3], dtype=torch.int32)
+    none = torch.empty(0, dtype=torch.int32)
+    cands = torch.arange(8)
+    assert int(cache.prefetch_ensure(m, 0, cands, 6, none, limit).count) == 0
+    assert int(cache.prefetch_ensure(m, 1, cands, 6, none, limit).count) == 3
+    assert int(cache.prefetch_ensure(m, 1, cands + 8, 6, none).count) == 6  # control: no limit
+
+
+def _auto(row_s, layers=48, cap=4):
+    return AutoBudget(layers, cap, row_s, torch.device("cpu"),
+                      torch.zeros(layers, dtype=torch.int64), StepClock(torch.device("cpu")))
+
+
+@pytest.mark.parametrize("row_s,step_s,misses,expected", [
+    # H100-like link (0.1 ms a row), 27 ms steps with 207 misses: 6.3 ms compute,
+    # 0.131 ms a layer -> 1.31 rows
+    (0.1e-3, 27e-3, 207, 1),
+    # a link twice as fast, 16 ms steps: 16 - 10.35 = 5.65 ms, 0.118 ms a layer -> 2.35 rows
+    (0.05e-3, 16e-3, 207, 2),
+    (0.01e-3, 100e-3, 0, 4),  # 208 rows fit: capped at 4
+    (1e-3, 20e-3, 19, 0),  # 1 ms compute: 0.02 rows a layer
+    (1e-3, 10e-3, 50, 0),  # the copies take longer than the step: no compute left, budget 0
+])
+def test_budget_from_measured_times(row_s, step_s, misses, expected):
+    auto = _auto(row_s)
+    assert auto.choose(step_s, misses) == expected
+    assert auto.limit.tolist() == [expected] * 48
+
+
+class ScriptedClock(StepClock):
+    """A clock whose marks are the times it is told."""
+
+    def __init__(self, times):
+        super().__init__(torch.device("cpu"))
+        self.times = iter(times)
+
+    def mark(self):
+        return next(self.times)
+
+
+def test_the_window_times_budget_zero_steps_then_sets_the_limit():
+    layers = 4
+    misses = torch.zeros(layers, dtype=torch.int64)
+    # marks: window start at 1.0 s, end 8 steps later at 1.0 + 8 x 10 ms
+    clock = ScriptedClock([1.0, 1.0 + WINDOW_STEPS * 10e-3])
+    auto = AutoBudget(layers, 4, 0.5e-3, torch.device("cpu"), misses, clock)
+    for step in range(1, SKIP_STEPS + WINDOW_STEPS + 5):
+        misses += 1  # 4 misses a step
+        auto.end_step()
+        if step < SKIP_STEPS + WINDOW_STEPS:
+            assert auto.chosen is None and auto.limit.tolist() == [0] * layers
+    # 10 ms - 4 x 0.5 ms = 8 ms compute, 2 ms a layer = 4 rows
+    assert auto.chosen == 4 and auto.compute_s == pytest.approx(8e-3)
+    assert auto.limit.tolist() == [4] * layers
+
+
+def test_a_reset_in_the_window_starts_it_again():
+    clock = ScriptedClock([0.0, 5.0, 5.0 + WINDOW_STEPS * 10e-3])
+    auto = AutoBudget(2, 4, 1e-3, torch.device("cpu"), torch.zeros(2, dtype=torch.int64), clock)
+    for _ in range(SKIP_STEPS + 1):
+        auto.end_step()
+    auto.restart()
+    for _ in range(SKIP_STEPS + WINDOW_STEPS - 1):
+        auto.end_step()
+    assert auto.chosen is None
+    auto.end_step()
+    assert auto.chosen == 4  # 10 ms over 2 layers at 1 ms a row: 5 rows, capped at 4
+    assert auto.compute_s == pytest.approx(10e-3)
+
+
+@pytest.mark.parametrize("fmt", ["tiny_bf16", "tiny_nvfp4"])
+@pytest.mark.parametrize("bs", [1, 2])
+def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
+    folder = request.getfixturevalue(fmt)
+    checker = InvariantChecker()
+    slots = 2 * bs * model(folder).args.num_experts_per_tok + 8
+    tokens, logits, ex = run(folder, bs, slots=slots, prefetch="on", budget_auto=True,
+                             hooks=checker)
+    ref_tokens, ref_logits = reference(folder, bs)  # the all-resident backend
+    assert tokens == ref_tokens and torch.equal(logits, ref_logits)
+    assert checker.problems == []
+    assert ex.auto is not None and ex.auto.chosen is not None
+    assert ex.auto.row_s > 0 and ex.stats()["budget_auto"] == ex.auto.chosen
+
+
+def test_installs_stop_at_the_chosen_budget(tiny_nvfp4, monkeypatch):
+    # the window's measurement replaced by one that gives budget 1: installs per layer then
+    # never exceed one a step (plans are sized 4), and no install happens inside the window
+    real_choose = AutoBudget.choose
+
+    def one_row_a_layer(self, step_s, misses):
+        return real_choose(self, self.num_layers * self.row_s + misses * self.row_s, misses)
+    monkeypatch.setattr(AutoBudget, "choose", one_row_a_layer)
+    slots = 2 * model(tiny_nvfp4).args.num_experts_per_tok + 8
+    tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on", budget_auto=True)
+    assert ex.auto.chosen == 1 and ex.cfg.budget_gdn == 4  # the plan's size
+    steps_after = len(tokens) - 1 - (SKIP_STEPS + WINDOW_STEPS)
+    installs = ex.maps.stats.prefetch_installs
+    assert int(installs.max()) <= steps_after
+    assert int(installs.sum()) > 0
+    assert tokens == reference(tiny_nvfp4, 1)[0]
+
+
+def test_fixed_budget_control_installs_more_than_one_a_step(tiny_nvfp4):
+    # negative control for the test above: a fixed budget of 4 does exceed one install a step
+    slots = 2 * model(tiny_nvfp4).args.num_experts_per_tok + 8
+    tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on", budget_gdn=4, budget_attn=4)
+    assert int(ex.maps.stats.prefetch_installs.max()) > len(tokens) - 1 - (SKIP_STEPS
+                                                                           + WINDOW_STEPS)
+
+
+def test_settings_parse_auto():
+    s = resolve_settings({"budget": "auto"}, env={})
+    assert s.budget_auto
+    s = resolve_settings({"budget": "2"}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "auto"})
+    assert not s.budget_auto and (s.budget_gdn, s.budget_attn) == (2, 2)
+    s = resolve_settings({"budget_gdn": 3}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "auto"})
+    assert not s.budget_auto and s.budget_gdn == 3
+    assert resolve_settings({}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "AUTO"}).budget_auto
+    assert override(Settings(), {"budget": "auto"}).budget_auto
+    assert not override(Settings(budget_auto=True), {"budget": "3"}).budget_auto
+    with pytest.raises(SettingsError, match="--budget 'x'.*auto or a non-negative integer"):
+        resolve_settings({"budget": "x"}, env={})
