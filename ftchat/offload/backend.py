@@ -30,7 +30,7 @@ from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model.expert_backend import Pending, SharedOut
 from ftchat.codecs.rows import RowLayout
 from ftchat.offload import cache as sc
-from ftchat.offload.budget import AUTO_CAP, AutoBudget, StepClock, probe_row_seconds
+from ftchat.offload.budget import AUTO_CAP, AutoBudget
 from ftchat.offload.cache_kernels import ensure_any, prefetch_ensure_any
 from ftchat.offload.copy import copy_rows
 from ftchat.offload.experts import routed_experts_any
@@ -159,7 +159,9 @@ class OffloadExperts:
         self.maps.on_write = self.hooks.on_map_write
         self.bank = torch.zeros(cfg.num_slots + 1, layout.nbytes, dtype=torch.uint8, device=device)
         # --budget auto: the per-layer budget the prefetch kernel reads from the device
-        self.auto = self._auto_budget() if cfg.budget_auto and cfg.prefetch == "on" else None
+        self.auto = (AutoBudget.measured(self.num_layers, cfg.budget_gdn, host_rows, self.bank,
+                                         streams, self.maps.stats.misses, cfg.copy_programs)
+                     if cfg.budget_auto and cfg.prefetch == "on" else None)
         # measure mode: per layer [selected, useful, demand misses] (what prefetch would do)
         self.measured = torch.zeros(self.num_layers, 3, dtype=torch.int64, device=device)
         # predictor output per layer [C] (written on the predictor stream)
@@ -331,19 +333,6 @@ class OffloadExperts:
         limit = self.auto.limit if self.auto is not None else None
         return self._run_compute(lambda: prefetch_ensure_any(
             self.maps, nxt, self.cands[nxt], self.budgets[nxt], protect, limit))
-
-    def _auto_budget(self) -> AutoBudget:
-        """Probe the link now (prefetch stream, no slot touched); the compute time is measured
-        over the first decode steps (offload/budget.py)."""
-        clock = StepClock(self.device)
-
-        def on_prefetch_stream(fn):
-            self.streams.run("prefetch", fn)
-            self.streams.synchronize()
-        row_s = probe_row_seconds(self.host, self.bank, on_prefetch_stream, clock,
-                                  self.cfg.copy_programs)
-        return AutoBudget(self.num_layers, self.cfg.budget_gdn, row_s, self.device,
-                          self.maps.stats.misses, clock)
 
     def _predict(self, nxt: int, x: Tensor) -> None:
         """Layer nxt's router on this layer's router input, on the predictor stream."""

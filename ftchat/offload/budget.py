@@ -99,6 +99,19 @@ class AutoBudget:
         self.steps = 0
         self.start: tuple[object, Tensor] | None = None  # (time stamp, misses so far)
 
+    @classmethod
+    def measured(cls, num_layers: int, cap: int, host: Tensor, bank: Tensor, streams,
+                 misses: Tensor, programs: int) -> AutoBudget:
+        """Probe the link now, on the prefetch stream of `streams` (no slot touched); the
+        compute time is measured over the first decode steps."""
+        clock = StepClock(bank.device)
+
+        def on_prefetch_stream(fn):
+            streams.run("prefetch", fn)
+            streams.synchronize()
+        row_s = probe_row_seconds(host, bank, on_prefetch_stream, clock, programs)
+        return cls(num_layers, cap, row_s, bank.device, misses, clock)
+
     def restart(self) -> None:
         """The cache was emptied: a window in progress starts again (a chosen budget stays)."""
         self.steps, self.start = 0, None
