@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ from ftchat.model.state import DecodeState, GdnCache
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 BLOCKS = ("input_layernorm", "self_attn", "linear_attn", "post_attention_layernorm", "mlp")
+ArgsT = TypeVar("ArgsT", bound="Qwen3Args")
 
 
 @dataclass(frozen=True)
@@ -84,6 +86,13 @@ class Qwen3Args:
 
     def attention_layers(self) -> frozenset[int]:
         return frozenset(i for i in range(self.num_hidden_layers) if self.is_attention(i))
+
+    @classmethod
+    def build(cls: type[ArgsT], fields: dict, where: str, **switches: bool) -> ArgsT:
+        """The family's args of `parse_fields`'s fields and its switches, validated."""
+        a = cls(**fields, **switches)
+        validate(a, where)
+        return a
 
 
 # ===== config.json =====
@@ -177,6 +186,14 @@ def refuse_dense_mlp_layers(t: dict, where: str) -> None:
     if step != 1 or only:
         raise ModelError(f"{where}: dense MLP layers (decoder_sparse_step {step}, mlp_only_layers "
                          f"{only}) are not supported: ftchat runs MoE layers only")
+
+
+def moe_only_text_config(cfg: object, where: str, model_types: tuple[str, ...]) -> dict:
+    """`text_config` of a family with no wrapper type whose config can ask for dense MLP layers
+    (qwen3_next, qwen3_moe): those are refused (`refuse_dense_mlp_layers`)."""
+    t = text_config(cfg, where, None, model_types)
+    refuse_dense_mlp_layers(t, where)
+    return t
 
 
 def validate(a: Qwen3Args, where: str) -> None:
