@@ -21,18 +21,13 @@ from ftchat.model.synth import write_checkpoint
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import one_line
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FREETOKEN_MOE_") and k != "FTCHAT_DEBUG"}
-    return {**env, "OMP_NUM_THREADS": "1", "TERM": "dumb"}
+from tests.cli_harness import CLI, child_env
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ftchat.cli", "run", *args, "--threads", "1"],
+    return subprocess.Popen([*CLI, "run", *args, "--threads", "1"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env())
+                            env=child_env(drop=("FTCHAT_DEBUG",)))
 
 
 def read_line(stream, timeout: float) -> bytes | None:
