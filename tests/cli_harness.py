@@ -1,10 +1,12 @@
-"""ftchat as a real process, for the tests that start one: the child's environment, a subprocess
-runner, a pseudo-terminal (pexpect) with its terminal modes, and a tiny checkpoint that never
-stops by itself (a chat reply that runs until it is interrupted).
+"""Running the CLI in tests: `run_main` in this process (stdin given, output captured), and
+ftchat as a real process: the child's environment, a subprocess runner, a pseudo-terminal
+(pexpect) with its terminal modes, and a tiny checkpoint that never stops by itself (a chat reply
+that runs until it is interrupted).
 """
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -14,9 +16,22 @@ from pathlib import Path
 
 import pexpect
 
+from ftchat.cli import main
 from ftchat.model.synth import write_checkpoint
 
 CLI = [sys.executable, "-m", "ftchat.cli"]
+
+
+def run_main(argv, capsys, monkeypatch, stdin: bytes | str = b"") -> tuple[int, str, str]:
+    """ftchat.cli.main(argv) in this process with `stdin` as its standard input (FTCHAT_DEBUG
+    unset): (exit code, stdout, stderr) of the call alone."""
+    capsys.readouterr()
+    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def child_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:

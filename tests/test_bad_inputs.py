@@ -10,7 +10,6 @@ handled signals clean up.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -27,13 +26,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftchat.cli import main
 from ftchat.commands.bench_ui import bench_contexts
 from ftchat.model.synth import write_checkpoint
 from ftchat.ui.text import split_reasoning
 from tests import cli_harness
 from tests.cli_harness import (CLI, endless_checkpoint, local_modes, run, send_at_prompt, spawn,
                                wait_for_echo_off)
+from tests.cli_harness import run_main as _main
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]")
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,16 +41,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def child_env(**extra: str) -> dict[str, str]:
     """cli_harness.child_env without FTCHAT_DEBUG, ftchat imported from this tree."""
     return cli_harness.child_env(drop=("FTCHAT_DEBUG",), PYTHONPATH=str(ROOT), **extra)
-
-
-def _main(argv, capsys, monkeypatch, stdin: bytes | str = b""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    data = stdin.encode() if isinstance(stdin, str) else stdin
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def clean_error(code: int, err: str, *expected: str, status: int = 1) -> str:

@@ -10,18 +10,17 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from ftchat import engine
-from ftchat.cli import main
 from ftchat.model.synth import write_checkpoint
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import one_line
 from tests.cli_harness import CLI, child_env
+from tests.cli_harness import run_main as _main
 
 
 def spawn(*args: str) -> subprocess.Popen:
@@ -43,15 +42,6 @@ def read_line(stream, timeout: float) -> bytes | None:
             return buf or None
         buf += chunk
     return buf
-
-
-def _main(argv, capsys, monkeypatch, stdin_text: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_error(code, out, err, *expected, stdout=""):
