@@ -16,8 +16,10 @@ from pathlib import Path
 
 import pexpect
 
+from ftchat import engine
 from ftchat.cli import main
 from ftchat.model.synth import write_checkpoint
+from ftchat.session import Session
 
 CLI = [sys.executable, "-m", "ftchat.cli"]
 
@@ -32,6 +34,17 @@ def run_main(argv, capsys, monkeypatch, stdin: bytes | str = b"") -> tuple[int, 
     code = main([str(a) for a in argv])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def reply_ids(s: Session, messages: list[dict], n: int) -> list[int]:
+    """What a reply must contain: the engine's greedy tokens, up to and with the first stop id."""
+    ids = s.encode_messages(messages)
+    out = []
+    for step in engine.generate(s.model, [ids], n, s.experts):
+        out.append(step.tokens[0])
+        if out[-1] in s.tokenizer.eos_ids:
+            break
+    return out
 
 
 def child_env(*, drop: tuple[str, ...] = (), **extra: str) -> dict[str, str]:
@@ -60,6 +73,13 @@ def send_at_prompt(child: pexpect.spawn, line: str) -> None:
     child.expect_exact(">>> ")
     child.sendline(line)
     child.expect_exact(line + "\r\n")
+
+
+def quit_chat(child: pexpect.spawn) -> None:
+    """At the next chat prompt, /exit, and wait for the process to end."""
+    child.expect_exact(">>> ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
 
 
 def local_modes(fd: int) -> int:

@@ -19,7 +19,7 @@ from ftchat.model.synth import write_checkpoint
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import one_line
-from tests.cli_harness import CLI, child_env
+from tests.cli_harness import CLI, child_env, reply_ids
 from tests.cli_harness import run_main as _main
 
 
@@ -55,16 +55,6 @@ def one_error(code, out, err, *expected, stdout=""):
     return errors[0]
 
 
-def greedy_reply(s: Session, text: str, n: int) -> list[int]:
-    ids = s.encode_messages([{"role": "user", "content": text}])
-    out = []
-    for step in engine.generate(s.model, [ids], n, s.experts):
-        out.append(step.tokens[0])
-        if out[-1] in s.tokenizer.eos_ids:
-            break
-    return out
-
-
 # ===== as it arrives =====
 
 
@@ -85,8 +75,8 @@ def test_first_reply_comes_before_the_second_line_exists(tiny_nvfp4):
         p.wait()
     s = Session.open(tiny_nvfp4, Settings())
     eos = s.tokenizer.eos_ids
-    want = [one_line(s.tokenizer.decode([t for t in greedy_reply(s, q, 4) if t not in eos]))
-            for q in ("hello", "hi")]
+    replies = [reply_ids(s, [{"role": "user", "content": q}], 4) for q in ("hello", "hi")]
+    want = [one_line(s.tokenizer.decode([t for t in r if t not in eos])) for r in replies]
     assert [first.decode().rstrip("\n"), *rest.decode().splitlines()] == want
     assert b"2 replies" in err and b"Traceback" not in err
 
@@ -205,7 +195,7 @@ def test_a_bad_line_arriving_later_stops_a_plain_run(tiny_nvfp4):
 
 def test_stop_strings_end_replies_before_them(tiny_nvfp4, capsys, monkeypatch):
     s = Session.open(tiny_nvfp4, Settings())
-    full = greedy_reply(s, "What is 2+2?", 12)
+    full = reply_ids(s, [{"role": "user", "content": "What is 2+2?"}], 12)
     text = s.tokenizer.decode(full)
     stop = text[4:6]  # a string from the middle of the greedy reply
     assert stop.strip() and text.find(stop) == 4, text

@@ -11,14 +11,14 @@ import sys
 import time
 from pathlib import Path
 
-import pexpect
 import pytest
 
 from ftchat import engine
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import printable
-from tests.cli_harness import CLI, child_env, endless_checkpoint, run, send_at_prompt, spawn
+from tests.cli_harness import (CLI, child_env, endless_checkpoint, quit_chat, reply_ids, run,
+                               send_at_prompt, spawn)
 
 FTCHAT = Path(sys.executable).parent / "ftchat"  # the console script of pyproject.toml
 
@@ -34,11 +34,8 @@ def test_console_script_piped_and_json(tiny_nvfp4):
              "--no-panel"], child_env(), input=stdin)
     assert p.returncode == 0, p.stderr
     got = [json.loads(line)["tokens"] for line in p.stdout.splitlines()]
-    want = []
-    for text, n in (("What is 2+2?", 7), ("hello", 4)):
-        ref = greedy(s, s.encode_messages([{"role": "user", "content": text}]), n)
-        stop = next((i for i, t in enumerate(ref) if t in s.tokenizer.eos_ids), n - 1)
-        want.append(ref[: stop + 1])
+    want = [reply_ids(s, [{"role": "user", "content": text}], n)
+            for text, n in (("What is 2+2?", 7), ("hello", 4))]
     assert got == want
 
 
@@ -75,9 +72,7 @@ def test_interactive_chat_in_a_terminal(endless):
         child.sendline("/stats")
         child.expect(r"tokens  (\d+)")
         assert int(child.match.group(1)) == n
-        child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close()
     assert child.exitstatus == 0

@@ -12,7 +12,7 @@ import re
 import pexpect
 import pytest
 
-from tests.cli_harness import CLI, child_env, endless_checkpoint, send_at_prompt, spawn
+from tests.cli_harness import CLI, child_env, endless_checkpoint, quit_chat, send_at_prompt, spawn
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
 
@@ -59,9 +59,7 @@ def test_keys_typed_during_a_reply_wait_for_the_next_prompt(endless):
         child.expect(r">>> (\x1b\[[0-9;?]*[A-Za-z]|\r)*(>>> )?/he")
         child.send("lp\r")  # completes the kept "/he"
         child.expect_exact("/stats  figures of the last reply")  # /help ran
-        child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close()
     assert child.exitstatus == 0
