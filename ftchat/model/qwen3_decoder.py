@@ -33,8 +33,8 @@ from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import ROUTER, fuse_moe_layers
 from ftchat.model.moe import moe_block
-from ftchat.model.spec import (A_LOG, CONV, DT_BIAS, EMBED as EMBED_INIT, LINEAR, NORM,
-                               PLAIN_NORM, TensorSpec)
+from ftchat.model.spec import (EMBED as EMBED_INIT, NORM, PLAIN_NORM, TensorSpec,
+                               attention_specs, gdn_specs, moe_specs)
 from ftchat.model.state import DecodeState, GdnCache
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
@@ -224,46 +224,12 @@ def layer_specs(i: int, a: Qwen3Args) -> dict[str, TensorSpec]:
     norm = NORM if a.zero_centred_norms else PLAIN_NORM
     s = {f"{p}.input_layernorm.weight": TensorSpec((D,), norm)}
     if a.is_attention(i):
-        hd, Hq, Hkv, q = a.head_dim, a.num_attention_heads, a.num_key_value_heads, f"{p}.self_attn"
-        s.update({
-            f"{q}.q_proj.weight": TensorSpec((Hq * hd * (2 if a.attention_gate else 1), D),
-                                             LINEAR, True),
-            f"{q}.k_proj.weight": TensorSpec((Hkv * hd, D), LINEAR, True),
-            f"{q}.v_proj.weight": TensorSpec((Hkv * hd, D), LINEAR, True),
-            f"{q}.o_proj.weight": TensorSpec((D, Hq * hd), LINEAR, True),
-            f"{q}.q_norm.weight": TensorSpec((hd,), norm),
-            f"{q}.k_norm.weight": TensorSpec((hd,), norm),
-        })
+        q_rows = a.num_attention_heads * a.head_dim * (2 if a.attention_gate else 1)
+        s.update(attention_specs(f"{p}.self_attn", a, q_rows, norm))
     else:
-        Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads,
-                          a.linear_key_head_dim, a.linear_value_head_dim)
-        conv_dim, g = 2 * Hk * dk + Hv * dv, f"{p}.linear_attn"
-        if a.packed_gdn_inputs:  # qwen3_next: regrouped at load (qwen3_next.unpack_gdn_inputs)
-            s.update({f"{g}.in_proj_qkvz.weight": TensorSpec((conv_dim + Hv * dv, D), LINEAR,
-                                                             True),
-                      f"{g}.in_proj_ba.weight": TensorSpec((2 * Hv, D), LINEAR)})
-        else:
-            s.update({f"{g}.in_proj_qkv.weight": TensorSpec((conv_dim, D), LINEAR, True, True),
-                      f"{g}.in_proj_z.weight": TensorSpec((Hv * dv, D), LINEAR, True, True),
-                      f"{g}.in_proj_b.weight": TensorSpec((Hv, D), LINEAR),
-                      f"{g}.in_proj_a.weight": TensorSpec((Hv, D), LINEAR)})
-        s.update({
-            f"{g}.conv1d.weight": TensorSpec((conv_dim, 1, a.linear_conv_kernel_dim), CONV),
-            f"{g}.A_log": TensorSpec((Hv,), A_LOG),
-            f"{g}.dt_bias": TensorSpec((Hv,), DT_BIAS),
-            f"{g}.norm.weight": TensorSpec((dv,), PLAIN_NORM),
-            f"{g}.out_proj.weight": TensorSpec((D, Hv * dv), LINEAR, True),
-        })
+        s.update(gdn_specs(f"{p}.linear_attn", a, packed=a.packed_gdn_inputs))
     s[f"{p}.post_attention_layernorm.weight"] = TensorSpec((D,), norm)
-    m, Is = f"{p}.mlp", a.shared_expert_intermediate_size
-    s[f"{m}.gate.weight"] = TensorSpec((a.num_experts, D), LINEAR)
-    if Is:
-        s.update({
-            f"{m}.shared_expert.gate_proj.weight": TensorSpec((Is, D), LINEAR, True),
-            f"{m}.shared_expert.up_proj.weight": TensorSpec((Is, D), LINEAR, True),
-            f"{m}.shared_expert.down_proj.weight": TensorSpec((D, Is), LINEAR, True),
-            f"{m}.shared_expert_gate.weight": TensorSpec((1, D), LINEAR),
-        })
+    s.update(moe_specs(f"{p}.mlp", a, shared=bool(a.shared_expert_intermediate_size)))
     return s
 
 
