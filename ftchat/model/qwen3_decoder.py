@@ -27,7 +27,7 @@ from torch import Tensor
 from ftchat.errors import ModelError
 from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model import attention
-from ftchat.model.config import _Fields, json_kind
+from ftchat.model.config import _Fields, hf_config_object, json_kind, parse_eos_token_id
 from ftchat.model.embedding import EMBED, embed
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
@@ -102,10 +102,7 @@ def text_config(cfg: object, where: str, wrapper: str | None, text_types: tuple[
                 ) -> dict:
     """The text model's fields of an HF config: `text_config` inside a `wrapper` model_type
     (a multimodal checkpoint: its vision tower is ignored), else the config itself."""
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
-                         f"{json_kind(cfg)}")
-    model_type = cfg.get("model_type")
+    model_type = hf_config_object(cfg, where).get("model_type")
     if model_type == wrapper and wrapper is not None:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
@@ -145,12 +142,7 @@ def parse_fields(t: dict, where: str, *, partial_rotary: float, gdn: bool, share
     src = {"rope_theta": rope.get("rope_theta", t.get("rope_theta")),
            "partial_rotary_factor": rope.get("partial_rotary_factor",
                                              t.get("partial_rotary_factor"))}
-    eos = t.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
-        raise f.fail("eos_token_id", f"must be a token id or a list of them, got "
-                     f"{json_kind(t.get('eos_token_id'))}")
+    eos = parse_eos_token_id(f)
     heads = f.int("num_attention_heads")
     hidden = f.int("hidden_size")
     lin = (lambda name: f.int(name)) if gdn else (lambda name: f.int(name, 1))

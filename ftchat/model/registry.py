@@ -14,7 +14,7 @@ from pathlib import Path
 from ftchat.errors import ModelError
 from ftchat.model import (qwen3_5_moe, qwen3_decoder, qwen3_decoder_memory, qwen3_moe,
                           qwen3_next, qwen4_exp, qwen4_exp_memory, spec)
-from ftchat.model.config import MODEL_TYPES, ModelArgs, json_kind, read_config_json
+from ftchat.model.config import MODEL_TYPES, ModelArgs, hf_config_object, read_config_json
 from ftchat.model.family import Family, MemoryFormulas
 from ftchat.model.state import DecodeState
 
@@ -64,10 +64,7 @@ def supported_types() -> tuple[str, ...]:
 def family_for_config(cfg: object, where: str = "config.json") -> Family:
     """The family of an HF config (config.json's object), by its model_type; ModelError (one
     line, naming the supported types) for any other."""
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
-                         f"{json_kind(cfg)}")
-    model_type = cfg.get("model_type")
+    model_type = hf_config_object(cfg, where).get("model_type")
     family = _BY_TYPE.get(model_type)
     if family is None:
         raise ModelError(f"{where}: unsupported model_type {model_type!r}; ftchat runs "
