@@ -7,6 +7,7 @@ A leaf: nothing here imports the rest of ftchat but its errors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import tempfile
@@ -62,31 +63,30 @@ class OutputFile:
         self.file.write(text)
 
     def commit(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        try:
-            self.file.close()
-            os.replace(self.tmp, self.path)
-        except OSError:
-            self._remove()
-            raise
+        if self._finish():
+            try:
+                self.file.close()
+                os.replace(self.tmp, self.path)
+            except OSError:
+                self._remove()
+                raise
 
     def discard(self) -> None:
+        if self._finish():
+            with contextlib.suppress(OSError):
+                self.file.close()
+            self._remove()
+
+    def _finish(self) -> bool:
+        """Mark the file done; False when it already was (commit or discard ran)."""
         if self.done:
-            return
+            return False
         self.done = True
-        try:
-            self.file.close()
-        except OSError:
-            pass
-        self._remove()
+        return True
 
     def _remove(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.tmp.unlink()
-        except OSError:
-            pass
 
 
 def _umask() -> int:

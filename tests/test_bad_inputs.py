@@ -10,7 +10,6 @@ handled signals clean up.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import re
@@ -27,30 +26,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ftchat.cli import main
 from ftchat.commands.bench_ui import bench_contexts
 from ftchat.model.synth import write_checkpoint
 from ftchat.ui.text import split_reasoning
+from tests import cli_harness
+from tests.cli_harness import (CLI, endless_checkpoint, local_modes, run, send_at_prompt, spawn,
+                               wait_for_echo_off)
+from tests.cli_harness import run_main as _main
 
-CLI = [sys.executable, "-m", "ftchat.cli"]
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]")
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FREETOKEN_MOE_") and k != "FTCHAT_DEBUG"}
-    return {**env, "OMP_NUM_THREADS": "1", "TERM": "dumb", "PYTHONPATH": str(ROOT), **extra}
-
-
-def _main(argv, capsys, monkeypatch, stdin: bytes | str = b""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    data = stdin.encode() if isinstance(stdin, str) else stdin
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+    """cli_harness.child_env without FTCHAT_DEBUG, ftchat imported from this tree."""
+    return cli_harness.child_env(drop=("FTCHAT_DEBUG",), PYTHONPATH=str(ROOT), **extra)
 
 
 def clean_error(code: int, err: str, *expected: str, status: int = 1) -> str:
@@ -76,16 +66,7 @@ def copy_model(src: Path, dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def endless(tmp_path_factory):
-    """A tiny checkpoint whose stop tokens never win: lm_head rows of the eos ids are zero."""
-
-    def no_eos(name, t):
-        if name == "lm_head.weight":
-            t = t.clone()
-            t[[507, 509]] = 0  # <|endoftext|>, <|im_end|> of the tiny vocab
-        return t
-
-    return write_checkpoint(tmp_path_factory.mktemp("ck") / "endless", "tiny", fmt="bf16",
-                            seed=1, weights_fn=no_eos)
+    return endless_checkpoint(tmp_path_factory, "bf16")
 
 
 # ===== nothing lost: result files =====
@@ -170,33 +151,22 @@ def test_a_signal_during_synth_removes_its_temporary_folder(tmp_path, sig):
 # ===== nothing lost: the chat terminal =====
 
 
-def _lflag(fd: int) -> int:
-    return termios.tcgetattr(fd)[3]
-
-
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGHUP", "SIGKILL"])
 def test_a_signal_during_a_chat_reply_restores_the_terminal(endless, tmp_path, sig):
     """While a reply streams, echo and line mode are off. SIGTERM/SIGHUP restore them (a new
     pty has both on) and drop the routing record's temporary file; SIGKILL (the control)
     leaves both behind."""
     trace = tmp_path / "trace.jsonl"
-    child = pexpect.spawn(sys.executable, [*CLI[1:], "run", str(endless), "--threads", "1",
-                                           "--no-panel", "-n", "400", "--record-routing",
-                                           str(trace)],
-                          env=child_env(TERM="xterm"), encoding="utf-8", timeout=90,
-                          dimensions=(40, 200))
+    child = spawn([*CLI[1:], "run", str(endless), "--threads", "1", "--no-panel", "-n", "400",
+                   "--record-routing", str(trace)], child_env(TERM="xterm"))
     try:
-        child.expect_exact(">>> ")  # (readline has the terminal in its own mode here)
-        child.sendline("hello")
-        child.expect_exact("hello\r\n")
+        # (at the prompt readline has the terminal in its own mode)
+        send_at_prompt(child, "hello")
         child.expect(r"\S")  # the reply streams
-        deadline = time.monotonic() + 30
-        while _lflag(child.child_fd) & termios.ECHO:  # echo goes off for the reply
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_echo_off(child)  # echo goes off for the reply
         child.kill(getattr(signal, sig))
         child.expect(pexpect.EOF)
-        modes = _lflag(child.child_fd)  # the pty keeps the modes its last user left
+        modes = local_modes(child.child_fd)  # the pty keeps the modes its last user left
         tail = child.before
     finally:
         child.close(force=True)
@@ -213,19 +183,14 @@ def test_a_signal_during_a_chat_reply_restores_the_terminal(endless, tmp_path, s
 def test_a_signal_at_the_chat_prompt_restores_the_terminal(endless, sig):
     """At the prompt the line editor has echo and line mode off; SIGTERM unwinds through it
     and they come back; SIGKILL (the control) leaves them off."""
-    child = pexpect.spawn(sys.executable, [*CLI[1:], "run", str(endless), "--threads", "1",
-                                           "--no-panel"],
-                          env=child_env(TERM="xterm"), encoding="utf-8", timeout=90,
-                          dimensions=(40, 200))
+    child = spawn([*CLI[1:], "run", str(endless), "--threads", "1", "--no-panel"],
+                  child_env(TERM="xterm"))
     try:
         child.expect_exact(">>> ")
-        deadline = time.monotonic() + 30
-        while _lflag(child.child_fd) & termios.ECHO:  # the line editor has taken the terminal
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_echo_off(child)  # the line editor has taken the terminal
         child.kill(getattr(signal, sig))
         child.expect(pexpect.EOF)
-        modes = _lflag(child.child_fd)
+        modes = local_modes(child.child_fd)
     finally:
         child.close(force=True)
     restored = bool(modes & termios.ECHO and modes & termios.ICANON)
@@ -344,16 +309,14 @@ def test_bench_without_a_context_runs_on_the_demo_model(capsys, monkeypatch):
 def test_bench_shows_its_rounds_on_a_terminal_only(tiny_bf16):
     argv = ["bench", str(tiny_bf16), "--steps", "2", "--rounds", "2", "--arms", "off",
             "--threads", "1"]
-    child = pexpect.spawn(sys.executable, [*CLI[1:], *argv], env=child_env(TERM="xterm"),
-                          encoding="utf-8", timeout=90, dimensions=(40, 120))
+    child = spawn([*CLI[1:], *argv], child_env(TERM="xterm"), columns=120)
     try:
         child.expect(pexpect.EOF)
         drawn = ANSI.sub("", child.before)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0 and "context 4088: rounds" in drawn, drawn
-    p = subprocess.run([*CLI, *argv], env=child_env(), capture_output=True, text=True,
-                       timeout=120)  # control: stderr a pipe, no bar
+    p = run([*CLI, *argv], child_env())  # control: stderr a pipe, no bar
     assert p.returncode == 0 and "rounds" not in p.stderr, p.stderr
 
 
@@ -421,15 +384,14 @@ def test_a_fifo_in_the_model_folder(tiny_bf16, tmp_path):
     model = copy_model(tiny_bf16, tmp_path / "ck")
     (model / "generation_config.json").unlink()
     os.mkfifo(model / "generation_config.json")
-    p = subprocess.run([*CLI, "run", str(model), "-p", "hi", "-n", "2"], env=child_env(),
-                       capture_output=True, text=True, timeout=120)  # before: blocked forever
+    # before: blocked forever
+    p = run([*CLI, "run", str(model), "-p", "hi", "-n", "2"], child_env())
     clean_error(p.returncode, p.stderr, "generation_config.json", "not a regular file")
 
 
 def test_endless_input_without_a_line_break(tiny_bf16, capsys, monkeypatch):
     with open("/dev/zero", "rb") as zero:  # before: read into memory until it ran out
-        p = subprocess.run([*CLI, "run", str(tiny_bf16), "-n", "2"], env=child_env(),
-                           stdin=zero, capture_output=True, text=True, timeout=120)
+        p = run([*CLI, "run", str(tiny_bf16), "-n", "2"], child_env(), stdin=zero)
     clean_error(p.returncode, p.stderr, "stdin line 1 is longer than 256 MiB")
     code, out, err = _main(["run", tiny_bf16, "-f", "/dev/zero"], capsys, monkeypatch)
     clean_error(code, err, "--file /dev/zero", "a device")
@@ -535,8 +497,7 @@ def test_closed_stdout(tiny_bf16):
 
 
 def test_closed_stdin(tiny_bf16):
-    p = subprocess.run([*CLI, "run", str(tiny_bf16), "-n", "3"], env=child_env(),
-                       capture_output=True, text=True, timeout=120, preexec_fn=_closing(0))
+    p = run([*CLI, "run", str(tiny_bf16), "-n", "3"], child_env(), preexec_fn=_closing(0))
     assert p.returncode == 0 and "no prompts on stdin" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
 
@@ -546,7 +507,7 @@ def test_closed_stderr_keeps_errors_out_of_stdout(tiny_bf16):
     p = subprocess.run(argv, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=120,
                        preexec_fn=_closing(2))
     assert p.returncode == 1 and p.stdout == ""  # before: the error was printed into stdout
-    p = subprocess.run(argv, env=child_env(), capture_output=True, text=True, timeout=120)
+    p = run(argv, child_env())
     clean_error(p.returncode, p.stderr, "--threads 0")  # control: stderr open, it is there
 
 
@@ -557,9 +518,8 @@ def test_closed_stderr_keeps_errors_out_of_stdout(tiny_bf16):
 def test_the_banner_wraps_at_the_terminals_width(columns):
     """The demo notice and the load line: between words, within the width (200: the control,
     where the notice is one line of more than 80 columns)."""
-    child = pexpect.spawn(sys.executable, [*CLI[1:], "run", "--threads", "1", "--no-panel"],
-                          env=child_env(TERM="xterm"), encoding="utf-8", timeout=90,
-                          dimensions=(40, columns))
+    child = spawn([*CLI[1:], "run", "--threads", "1", "--no-panel"], child_env(TERM="xterm"),
+                  columns=columns)
     try:
         child.expect_exact(">>> ")
         banner = ANSI.sub("", child.before)
@@ -581,8 +541,7 @@ def test_the_banner_wraps_at_the_terminals_width(columns):
 
 @pytest.mark.parametrize("command", ["", "run", "synth", "info", "verify", "audit", "bench"])
 def test_help_fits_80_columns(command):
-    p = subprocess.run([*CLI, *([command] if command else []), "--help"], capture_output=True,
-                       text=True, timeout=120, env=child_env(COLUMNS="80"))
+    p = run([*CLI, *([command] if command else []), "--help"], child_env(COLUMNS="80"))
     assert p.returncode == 0 and p.stderr == "", p.stderr
     lines = p.stdout.splitlines()
     assert len(lines) > 5 and max(len(ln) for ln in lines) <= 80

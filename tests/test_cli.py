@@ -18,6 +18,7 @@ from ftchat.model.checkpoint import Checkpoint
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import one_line
+from tests.cli_harness import reply_ids
 
 runner = CliRunner()
 
@@ -25,17 +26,6 @@ runner = CliRunner()
 @pytest.fixture(scope="module")
 def ref(tiny_nvfp4):
     return Session.open(tiny_nvfp4, Settings())
-
-
-def reply_ids(s: Session, messages: list[dict], n: int) -> list[int]:
-    """What a reply must contain: the engine's greedy tokens, up to and with the first stop id."""
-    ids = s.encode_messages(messages)
-    out = []
-    for step in engine.generate(s.model, [ids], n, s.experts):
-        out.append(step.tokens[0])
-        if out[-1] in s.tokenizer.eos_ids:
-            break
-    return out
 
 
 def text_of(s: Session, tokens: list[int]) -> str:

@@ -4,7 +4,6 @@ audit interval."""
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import subprocess
@@ -14,18 +13,9 @@ from pathlib import Path
 import pytest
 
 from ftchat import __version__
-from ftchat.cli import main
+from tests.cli_harness import run_main as _main
 
 FTCHAT = Path(sys.executable).parent / "ftchat"
-
-
-def _main(argv, capsys, monkeypatch, stdin_text: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_error(code, out, err, *expected):

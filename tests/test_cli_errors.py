@@ -8,7 +8,6 @@ console script.
 from __future__ import annotations
 
 import errno
-import io
 import json
 import os
 import shutil
@@ -18,20 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from ftchat.cli import main
 from ftchat.errors import ModelError
 from ftchat.ui.info import header_bytes
+from tests.cli_harness import run_main as _main
 
 FTCHAT = Path(sys.executable).parent / "ftchat"
-
-
-def _main(argv, capsys, monkeypatch, stdin_text: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def one_error(code: int, out: str, err: str, *expected: str) -> str:

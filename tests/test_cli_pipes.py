@@ -10,29 +10,23 @@ import os
 import select
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
 from ftchat import engine
-from ftchat.cli import main
 from ftchat.model.synth import write_checkpoint
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import one_line
-
-
-def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("FREETOKEN_MOE_") and k != "FTCHAT_DEBUG"}
-    return {**env, "OMP_NUM_THREADS": "1", "TERM": "dumb"}
+from tests.cli_harness import CLI, child_env, reply_ids
+from tests.cli_harness import run_main as _main
 
 
 def spawn(*args: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "ftchat.cli", "run", *args, "--threads", "1"],
+    return subprocess.Popen([*CLI, "run", *args, "--threads", "1"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=child_env())
+                            env=child_env(drop=("FTCHAT_DEBUG",)))
 
 
 def read_line(stream, timeout: float) -> bytes | None:
@@ -50,15 +44,6 @@ def read_line(stream, timeout: float) -> bytes | None:
     return buf
 
 
-def _main(argv, capsys, monkeypatch, stdin_text: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
 def one_error(code, out, err, *expected, stdout=""):
     assert code == 1 and out == stdout, (code, out, err)
     lines = err.splitlines()
@@ -68,16 +53,6 @@ def one_error(code, out, err, *expected, stdout=""):
     for text in expected:
         assert text in errors[0], err
     return errors[0]
-
-
-def greedy_reply(s: Session, text: str, n: int) -> list[int]:
-    ids = s.encode_messages([{"role": "user", "content": text}])
-    out = []
-    for step in engine.generate(s.model, [ids], n, s.experts):
-        out.append(step.tokens[0])
-        if out[-1] in s.tokenizer.eos_ids:
-            break
-    return out
 
 
 # ===== as it arrives =====
@@ -100,8 +75,8 @@ def test_first_reply_comes_before_the_second_line_exists(tiny_nvfp4):
         p.wait()
     s = Session.open(tiny_nvfp4, Settings())
     eos = s.tokenizer.eos_ids
-    want = [one_line(s.tokenizer.decode([t for t in greedy_reply(s, q, 4) if t not in eos]))
-            for q in ("hello", "hi")]
+    replies = [reply_ids(s, [{"role": "user", "content": q}], 4) for q in ("hello", "hi")]
+    want = [one_line(s.tokenizer.decode([t for t in r if t not in eos])) for r in replies]
     assert [first.decode().rstrip("\n"), *rest.decode().splitlines()] == want
     assert b"2 replies" in err and b"Traceback" not in err
 
@@ -225,7 +200,7 @@ def test_a_bad_line_arriving_later_does_not_stop_a_plain_run(tiny_nvfp4):
 
 def test_stop_strings_end_replies_before_them(tiny_nvfp4, capsys, monkeypatch):
     s = Session.open(tiny_nvfp4, Settings())
-    full = greedy_reply(s, "What is 2+2?", 12)
+    full = reply_ids(s, [{"role": "user", "content": "What is 2+2?"}], 12)
     text = s.tokenizer.decode(full)
     stop = text[4:6]  # a string from the middle of the greedy reply
     assert stop.strip() and text.find(stop) == 4, text

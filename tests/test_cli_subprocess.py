@@ -6,28 +6,21 @@ Few tests: each process start imports torch (~2 s).
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import pexpect
 import pytest
 
 from ftchat import engine
-from ftchat.model.synth import write_checkpoint
 from ftchat.session import Session
 from ftchat.settings import Settings
 from ftchat.ui.text import printable
+from tests.cli_harness import (CLI, child_env, endless_checkpoint, quit_chat, reply_ids, run,
+                               send_at_prompt, spawn)
 
 FTCHAT = Path(sys.executable).parent / "ftchat"  # the console script of pyproject.toml
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FREETOKEN_MOE_")}
-    return {**env, "OMP_NUM_THREADS": "1", "TERM": "dumb", **extra}
 
 
 def greedy(s: Session, ids: list[int], n: int) -> list[int]:
@@ -37,16 +30,12 @@ def greedy(s: Session, ids: list[int], n: int) -> list[int]:
 def test_console_script_piped_and_json(tiny_nvfp4):
     s = Session.open(tiny_nvfp4, Settings())
     stdin = 'What is 2+2?\n\n{"prompt": "hello", "max_new_tokens": 4}\n'
-    p = subprocess.run([str(FTCHAT), "run", str(tiny_nvfp4), "--json", "--max-new-tokens", "7",
-                        "--no-panel"], input=stdin, capture_output=True, text=True,
-                       env=child_env(), timeout=120)
+    p = run([str(FTCHAT), "run", str(tiny_nvfp4), "--json", "--max-new-tokens", "7",
+             "--no-panel"], child_env(), input=stdin)
     assert p.returncode == 0, p.stderr
     got = [json.loads(line)["tokens"] for line in p.stdout.splitlines()]
-    want = []
-    for text, n in (("What is 2+2?", 7), ("hello", 4)):
-        ref = greedy(s, s.encode_messages([{"role": "user", "content": text}]), n)
-        stop = next((i for i, t in enumerate(ref) if t in s.tokenizer.eos_ids), n - 1)
-        want.append(ref[: stop + 1])
+    want = [reply_ids(s, [{"role": "user", "content": text}], n)
+            for text, n in (("What is 2+2?", 7), ("hello", 4))]
     assert got == want
 
 
@@ -57,8 +46,7 @@ def test_subprocess_error_is_one_line(tiny_nvfp4, tmp_path):
         data = f.read_bytes()
         (bad / f.name).write_bytes(data[:100] if f.name.endswith("00001-of-00002.safetensors")
                                    else data)
-    p = subprocess.run([sys.executable, "-m", "ftchat.cli", "run", str(bad)], input="hi\n",
-                       capture_output=True, text=True, env=child_env(), timeout=120)
+    p = run([*CLI, "run", str(bad)], child_env(), input="hi\n")
     assert p.returncode == 1 and p.stdout == ""
     assert p.stderr.count("\n") == 1 and p.stderr.startswith("error: ")
     assert "model-00001-of-00002.safetensors: unreadable safetensors file" in p.stderr
@@ -66,26 +54,14 @@ def test_subprocess_error_is_one_line(tiny_nvfp4, tmp_path):
 
 @pytest.fixture(scope="module")
 def endless(tmp_path_factory):
-    """A tiny checkpoint whose stop tokens never win: lm_head rows of the eos ids are zero."""
-
-    def no_eos(name, t):
-        if name == "lm_head.weight":
-            t = t.clone()
-            t[[507, 509]] = 0  # <|endoftext|>, <|im_end|> of the tiny vocab
-        return t
-
-    return write_checkpoint(tmp_path_factory.mktemp("ck") / "endless", "tiny",
-                            fmt="nvfp4-modelopt", seed=1, weights_fn=no_eos)
+    return endless_checkpoint(tmp_path_factory, "nvfp4-modelopt")
 
 
 def test_interactive_chat_in_a_terminal(endless):
-    child = pexpect.spawn(sys.executable, ["-m", "ftchat.cli", "run", str(endless),
-                                           "--max-new-tokens", "100000"],
-                          env=child_env(), encoding="utf-8", timeout=60, dimensions=(50, 200))
+    child = spawn([*CLI[1:], "run", str(endless), "--max-new-tokens", "100000"], child_env(),
+                  rows=50, timeout=60)
     try:
-        child.expect_exact(">>> ")
-        child.sendline("hello")
-        child.expect_exact("hello\r\n")  # the echo: the reply starts after it
+        send_at_prompt(child, "hello")
         time.sleep(1.0)
         child.sendintr()  # Ctrl-C mid-reply
         child.expect_exact("[interrupted]")
@@ -96,9 +72,7 @@ def test_interactive_chat_in_a_terminal(endless):
         child.sendline("/stats")
         child.expect(r"tokens  (\d+)")
         assert int(child.match.group(1)) == n
-        child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close()
     assert child.exitstatus == 0

@@ -1,6 +1,6 @@
 """The VRAM plan's prefill terms against the peak bytes a prefill really holds, measured on the
-CPU (ftchat/vram/plan.py `prefill_workspace`, ftchat/model/qwen4_exp_memory.py, docs/design.md
-4.9).
+CPU (ftchat/vram/plan.py `prefill_workspace`, ftchat/model/qwen4_exp_memory.py and
+memory_common.py, docs/design.md 4.9).
 
 The measurement: torch.profiler with profile_memory records every allocation and free of the
 c10 CPU allocator (sizes, in order); the peak of their running sum is the most bytes the call
@@ -29,8 +29,8 @@ from torch.profiler import ProfilerActivity, profile
 from ftchat import engine
 from ftchat.model import gdn, ple, qsa
 from ftchat.model import qwen4_exp as q
-from ftchat.model.qwen4_exp_memory import (attention_prefill_bytes, gdn_prefill_bytes,
-                                           hc_mix_bytes, ple_block_bytes)
+from ftchat.model.memory_common import gdn_prefill_bytes
+from ftchat.model.qwen4_exp_memory import attention_prefill_bytes, hc_mix_bytes, ple_block_bytes
 from ftchat.model.state import DecodeState
 from ftchat.model.synth_memory import synthetic_model
 from ftchat.vram.plan import prefill_workspace

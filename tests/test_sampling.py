@@ -3,18 +3,16 @@ lossless prefetch still bit-identical under sampling, and the flags / JSON keys.
 
 from __future__ import annotations
 
-import io
 import json
-import sys
 
 import pytest
 import torch
 
 from ftchat import engine
-from ftchat.cli import main
 from ftchat.sampling import REPEAT_WINDOW, Sampler, Sampling
 from ftchat.session import Session, build_experts
 from ftchat.settings import Settings
+from tests.cli_harness import run_main as _main
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -179,15 +177,6 @@ def test_prefetch_on_and_off_stay_bit_identical_under_sampling(tiny_nvfp4):
 
 
 # ===== flags and JSON lines =====
-
-
-def _main(argv, capsys, monkeypatch, stdin_text: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin_text.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_sampling_flags_and_json_keys(tiny_nvfp4, capsys, monkeypatch):

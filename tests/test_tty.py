@@ -7,21 +7,14 @@ Each test starts ftchat (~2 s of torch import) on a tiny checkpoint that never s
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import pexpect
 import pytest
 
-from ftchat.model.synth import write_checkpoint
+from tests.cli_harness import CLI, child_env, endless_checkpoint, quit_chat, send_at_prompt, spawn
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[()][A-Z0-9]|\r")
-
-
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FREETOKEN_MOE_")}
-    return {**env, "OMP_NUM_THREADS": "1", "TERM": "xterm", "COLUMNS": "", "LINES": "", **extra}
 
 
 def plain(text: str) -> str:
@@ -30,16 +23,7 @@ def plain(text: str) -> str:
 
 @pytest.fixture(scope="module")
 def endless(tmp_path_factory):
-    """A tiny checkpoint whose stop tokens never win: lm_head rows of the eos ids are zero."""
-
-    def no_eos(name, t):
-        if name == "lm_head.weight":
-            t = t.clone()
-            t[[507, 509]] = 0  # <|endoftext|>, <|im_end|> of the tiny vocab
-        return t
-
-    return write_checkpoint(tmp_path_factory.mktemp("ck") / "endless", "tiny",
-                            fmt="nvfp4-modelopt", seed=1, weights_fn=no_eos)
+    return endless_checkpoint(tmp_path_factory, "nvfp4-modelopt")
 
 
 # runs ftchat with stderr sent to /dev/null (as `2>/dev/null` would), stdin/stdout the pty
@@ -48,11 +32,10 @@ NO_STDERR = ("import os, sys; fd = os.open(os.devnull, os.O_WRONLY); os.dup2(fd,
 
 
 def chat(model, *flags, columns=200, no_stderr=False):
-    args = ["-m", "ftchat.cli", "run", str(model), "--threads", "1", *flags]
+    args = [*CLI[1:], "run", str(model), "--threads", "1", *flags]
     if no_stderr:
         args = ["-c", NO_STDERR, *args]
-    return pexpect.spawn(sys.executable, args, env=child_env(), encoding="utf-8", timeout=90,
-                         dimensions=(40, columns))
+    return spawn(args, child_env(TERM="xterm", COLUMNS="", LINES=""), columns=columns)
 
 
 TIMING = r"\d+ tokens, context \d+/\d+ \| prompt eval"
@@ -61,9 +44,7 @@ TIMING = r"\d+ tokens, context \d+/\d+ \| prompt eval"
 def test_keys_typed_during_a_reply_wait_for_the_next_prompt(endless):
     child = chat(endless, "--max-new-tokens", "150", "--no-panel")
     try:
-        child.expect_exact(">>> ")
-        child.sendline("hello")
-        child.expect_exact("hello\r\n")
+        send_at_prompt(child, "hello")
         child.expect(r"\S")  # the reply streams
         child.send("/sta")  # type-ahead: a finished line, then the start of another
         child.send("ts\r")
@@ -78,9 +59,7 @@ def test_keys_typed_during_a_reply_wait_for_the_next_prompt(endless):
         child.expect(r">>> (\x1b\[[0-9;?]*[A-Za-z]|\r)*(>>> )?/he")
         child.send("lp\r")  # completes the kept "/he"
         child.expect_exact("/stats  figures of the last reply")  # /help ran
-        child.expect_exact(">>> ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        quit_chat(child)
     finally:
         child.close()
     assert child.exitstatus == 0
@@ -89,9 +68,7 @@ def test_keys_typed_during_a_reply_wait_for_the_next_prompt(endless):
 def test_ctrl_d_typed_during_a_reply_quits_after_it(endless):
     child = chat(endless, "--max-new-tokens", "120", "--no-panel")
     try:
-        child.expect_exact(">>> ")
-        child.sendline("hello")
-        child.expect_exact("hello\r\n")
+        send_at_prompt(child, "hello")
         child.expect(r"\S")
         child.sendeof()  # before: lost, the chat waited at the next prompt
         child.expect(TIMING)

@@ -81,10 +81,7 @@ class ModelArgs:
         Raises ModelError naming `where` (the file) and the field for anything missing, of the
         wrong JSON type or out of range. Any other model_type is the registry's to refuse
         (ftchat/model/registry.py)."""
-        if not isinstance(cfg, dict):
-            raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
-                             f"{json_kind(cfg)}")
-        model_type = cfg.get("model_type")
+        model_type = hf_config_object(cfg, where).get("model_type")
         if model_type not in MODEL_TYPES:
             raise ModelError(f"{where}: model_type {model_type!r} is not a qwen4_exp config")
         text = cfg.get("text_config", cfg) if model_type == "qwen4_exp" else cfg
@@ -106,6 +103,25 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "moe_intermediate_size", "shared_expert_intermediate_size", "indexer_n_heads",
             "indexer_kv_heads", "indexer_head_dim", "indexer_budget", "indexer_compress_ratio")
 _MISSING = object()
+
+
+def hf_config_object(cfg: object, where: str) -> dict:
+    """cfg, the JSON value of an HF config.json; ModelError naming `where` unless an object."""
+    if not isinstance(cfg, dict):
+        raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
+                         f"{json_kind(cfg)}")
+    return cfg
+
+
+def parse_eos_token_id(f: _Fields) -> int | None:
+    """The config's eos_token_id (the first of a list; None when absent or an empty list)."""
+    eos = f.t.get("eos_token_id")
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
+        raise f.fail("eos_token_id", f"must be a token id or a list of them, got "
+                     f"{json_kind(f.t.get('eos_token_id'))}")
+    return eos
 
 
 def json_kind(v: object) -> str:
@@ -196,12 +212,7 @@ def _parse_text(t: dict, where: str = "config.json") -> ModelArgs:
     rope = dict(rope or {})
     if "partial_rotary_factor" in t and "partial_rotary_factor" not in rope:
         rope["partial_rotary_factor"] = t["partial_rotary_factor"]
-    eos = t.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
-        raise f.fail("eos_token_id", f"must be a token id or a list of them, got "
-                     f"{json_kind(t.get('eos_token_id'))}")
+    eos = parse_eos_token_id(f)
     hidden = f.int("hidden_size")
     hidden_act = f.str("hidden_act", "silu")
     args = ModelArgs(

@@ -4,7 +4,7 @@ per family, listed in ftchat/model/registry.py (a family's modules import neithe
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -34,6 +34,11 @@ class MemoryFormulas:
     stream_bytes: Callable[[Args, int], int]
     # (args, context) -> the KV lengths where a prefill call peaks
     prefill_lengths: Callable[[Args, int], tuple[int, ...]]
+
+    @classmethod
+    def of(cls, module: Any) -> MemoryFormulas:
+        """The functions of a family's memory module (qwen4_exp_memory.py, ...) of these names."""
+        return cls(**{f.name: getattr(module, f.name) for f in fields(cls)})
 
 
 @dataclass(frozen=True)

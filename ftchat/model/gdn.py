@@ -30,7 +30,7 @@ from ftchat.codecs.nvfp4 import Nvfp4Weight
 
 CHUNK = 64
 # Tokens of a prefill the chunked rule forms at once (a multiple of CHUNK): the GDN prefill's
-# transients are bounded by it, not by the prefill chunk (qwen4_exp_memory.py `gdn_prefill_bytes`)
+# transients are bounded by it, not by the prefill chunk (memory_common.py `gdn_prefill_bytes`)
 GDN_SUBBLOCK = 1024
 PROJECTIONS = ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight")
 FUSED = "in_proj_fused.weight"  # [N, D]; the four PROJECTIONS entries are row views of it

@@ -26,6 +26,5 @@ class Qwen35MoeArgs(dec.Qwen3Args):
         fields = dec.parse_fields(t, where, partial_rotary=0.25, gdn=True, shared=True)
         # the HF router has no norm_topk_prob switch: its top-k is always renormalised
         fields["norm_topk_prob"] = True
-        a = cls(**fields, attention_gate=True, zero_centred_norms=True, packed_gdn_inputs=False)
-        dec.validate(a, where)
-        return a
+        return cls.build(fields, where, attention_gate=True, zero_centred_norms=True,
+                         packed_gdn_inputs=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -26,18 +27,19 @@ from torch import Tensor
 from ftchat.errors import ModelError
 from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model import attention
-from ftchat.model.config import _Fields, json_kind
+from ftchat.model.config import _Fields, hf_config_object, json_kind, parse_eos_token_id
 from ftchat.model.embedding import EMBED, embed
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.model.gdn import fuse_gdn_layers, gdn_mixer
 from ftchat.model.layers import ROUTER, fuse_moe_layers
 from ftchat.model.moe import moe_block
-from ftchat.model.spec import (A_LOG, CONV, DT_BIAS, EMBED as EMBED_INIT, LINEAR, NORM,
-                               PLAIN_NORM, TensorSpec)
+from ftchat.model.spec import (EMBED as EMBED_INIT, NORM, PLAIN_NORM, TensorSpec,
+                               attention_specs, gdn_specs, moe_specs)
 from ftchat.model.state import DecodeState, GdnCache
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 BLOCKS = ("input_layernorm", "self_attn", "linear_attn", "post_attention_layernorm", "mlp")
+ArgsT = TypeVar("ArgsT", bound="Qwen3Args")
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,13 @@ class Qwen3Args:
     def attention_layers(self) -> frozenset[int]:
         return frozenset(i for i in range(self.num_hidden_layers) if self.is_attention(i))
 
+    @classmethod
+    def build(cls: type[ArgsT], fields: dict, where: str, **switches: bool) -> ArgsT:
+        """The family's args of `parse_fields`'s fields and its switches, validated."""
+        a = cls(**fields, **switches)
+        validate(a, where)
+        return a
+
 
 # ===== config.json =====
 
@@ -93,10 +102,7 @@ def text_config(cfg: object, where: str, wrapper: str | None, text_types: tuple[
                 ) -> dict:
     """The text model's fields of an HF config: `text_config` inside a `wrapper` model_type
     (a multimodal checkpoint: its vision tower is ignored), else the config itself."""
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
-                         f"{json_kind(cfg)}")
-    model_type = cfg.get("model_type")
+    model_type = hf_config_object(cfg, where).get("model_type")
     if model_type == wrapper and wrapper is not None:
         text = cfg.get("text_config")
         if not isinstance(text, dict):
@@ -136,12 +142,7 @@ def parse_fields(t: dict, where: str, *, partial_rotary: float, gdn: bool, share
     src = {"rope_theta": rope.get("rope_theta", t.get("rope_theta")),
            "partial_rotary_factor": rope.get("partial_rotary_factor",
                                              t.get("partial_rotary_factor"))}
-    eos = t.get("eos_token_id")
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is not None and (isinstance(eos, bool) or not isinstance(eos, int) or eos < 0):
-        raise f.fail("eos_token_id", f"must be a token id or a list of them, got "
-                     f"{json_kind(t.get('eos_token_id'))}")
+    eos = parse_eos_token_id(f)
     heads = f.int("num_attention_heads")
     hidden = f.int("hidden_size")
     lin = (lambda name: f.int(name)) if gdn else (lambda name: f.int(name, 1))
@@ -179,6 +180,14 @@ def refuse_dense_mlp_layers(t: dict, where: str) -> None:
                          f"{only}) are not supported: ftchat runs MoE layers only")
 
 
+def moe_only_text_config(cfg: object, where: str, model_types: tuple[str, ...]) -> dict:
+    """`text_config` of a family with no wrapper type whose config can ask for dense MLP layers
+    (qwen3_next, qwen3_moe): those are refused (`refuse_dense_mlp_layers`)."""
+    t = text_config(cfg, where, None, model_types)
+    refuse_dense_mlp_layers(t, where)
+    return t
+
+
 def validate(a: Qwen3Args, where: str) -> None:
     def check(ok: bool, msg: str) -> None:
         if not ok:
@@ -207,46 +216,12 @@ def layer_specs(i: int, a: Qwen3Args) -> dict[str, TensorSpec]:
     norm = NORM if a.zero_centred_norms else PLAIN_NORM
     s = {f"{p}.input_layernorm.weight": TensorSpec((D,), norm)}
     if a.is_attention(i):
-        hd, Hq, Hkv, q = a.head_dim, a.num_attention_heads, a.num_key_value_heads, f"{p}.self_attn"
-        s.update({
-            f"{q}.q_proj.weight": TensorSpec((Hq * hd * (2 if a.attention_gate else 1), D),
-                                             LINEAR, True),
-            f"{q}.k_proj.weight": TensorSpec((Hkv * hd, D), LINEAR, True),
-            f"{q}.v_proj.weight": TensorSpec((Hkv * hd, D), LINEAR, True),
-            f"{q}.o_proj.weight": TensorSpec((D, Hq * hd), LINEAR, True),
-            f"{q}.q_norm.weight": TensorSpec((hd,), norm),
-            f"{q}.k_norm.weight": TensorSpec((hd,), norm),
-        })
+        q_rows = a.num_attention_heads * a.head_dim * (2 if a.attention_gate else 1)
+        s.update(attention_specs(f"{p}.self_attn", a, q_rows, norm))
     else:
-        Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads,
-                          a.linear_key_head_dim, a.linear_value_head_dim)
-        conv_dim, g = 2 * Hk * dk + Hv * dv, f"{p}.linear_attn"
-        if a.packed_gdn_inputs:  # qwen3_next: regrouped at load (qwen3_next.unpack_gdn_inputs)
-            s.update({f"{g}.in_proj_qkvz.weight": TensorSpec((conv_dim + Hv * dv, D), LINEAR,
-                                                             True),
-                      f"{g}.in_proj_ba.weight": TensorSpec((2 * Hv, D), LINEAR)})
-        else:
-            s.update({f"{g}.in_proj_qkv.weight": TensorSpec((conv_dim, D), LINEAR, True, True),
-                      f"{g}.in_proj_z.weight": TensorSpec((Hv * dv, D), LINEAR, True, True),
-                      f"{g}.in_proj_b.weight": TensorSpec((Hv, D), LINEAR),
-                      f"{g}.in_proj_a.weight": TensorSpec((Hv, D), LINEAR)})
-        s.update({
-            f"{g}.conv1d.weight": TensorSpec((conv_dim, 1, a.linear_conv_kernel_dim), CONV),
-            f"{g}.A_log": TensorSpec((Hv,), A_LOG),
-            f"{g}.dt_bias": TensorSpec((Hv,), DT_BIAS),
-            f"{g}.norm.weight": TensorSpec((dv,), PLAIN_NORM),
-            f"{g}.out_proj.weight": TensorSpec((D, Hv * dv), LINEAR, True),
-        })
+        s.update(gdn_specs(f"{p}.linear_attn", a, packed=a.packed_gdn_inputs))
     s[f"{p}.post_attention_layernorm.weight"] = TensorSpec((D,), norm)
-    m, Is = f"{p}.mlp", a.shared_expert_intermediate_size
-    s[f"{m}.gate.weight"] = TensorSpec((a.num_experts, D), LINEAR)
-    if Is:
-        s.update({
-            f"{m}.shared_expert.gate_proj.weight": TensorSpec((Is, D), LINEAR, True),
-            f"{m}.shared_expert.up_proj.weight": TensorSpec((Is, D), LINEAR, True),
-            f"{m}.shared_expert.down_proj.weight": TensorSpec((D, Is), LINEAR, True),
-            f"{m}.shared_expert_gate.weight": TensorSpec((1, D), LINEAR),
-        })
+    s.update(moe_specs(f"{p}.mlp", a, shared=bool(a.shared_expert_intermediate_size)))
     return s
 
 

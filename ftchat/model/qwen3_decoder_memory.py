@@ -1,8 +1,9 @@
 """The Qwen3 MoE line's terms of the VRAM plan (docs/design.md section 4.9): dense weights and
 decode state (exact, from the tensor inventory and the state's shapes), a decode step's and a
 prefill call's transients (estimates walked through qwen3_decoder.py, attention.py and gdn.py;
-the GDN prefill's is qwen4_exp_memory's, the same code). The offload backend's items and the
-routed experts' transients are the plan's (ftchat/vram/plan.py).
+the terms shared with qwen4_exp, the GDN prefill among them, are ftchat/model/memory_common.py's).
+The offload backend's items and the routed experts' transients are the plan's
+(ftchat/vram/plan.py).
 
 Legend: B rows, L KV capacity (context), T prefill tokens, V vocab, D hidden, act = bytes of
 the model dtype; fp32 intermediates are 4 B.
@@ -12,50 +13,21 @@ from __future__ import annotations
 
 import torch
 
-from ftchat.codecs.nvfp4 import nvfp4_bytes
-from ftchat.model import gdn, qsa
+from ftchat.model import gdn, memory_common as mc
+from ftchat.model.memory_common import gdn_prefill_bytes, rms_norm_peak
 from ftchat.model.qwen3_decoder import Qwen3Args, dense_specs
-from ftchat.model.qwen4_exp_memory import gdn_prefill_bytes, rms_norm_peak
 from ftchat.vram.items import GIB, Item, Workload
 
 DENSE_KINDS = ("embedding", "lm_head", "GDN projections", "attention projections",
                "router and shared expert", "norms")
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
-def dense_kind(name: str) -> str:
-    if name == "embed_tokens.weight":
-        return "embedding"
-    if "norm" in name.rsplit(".", 2)[-2] or name == "norm.weight":
-        return "norms"
-    for part, kind in ((".linear_attn.", "GDN projections"), (".self_attn.", "attention projections"),
-                       (".mlp.", "router and shared expert")):
-        if part in name:
-            return kind
-    raise AssertionError(name)
-
-
 def dense_items(a: Qwen3Args, dtype: torch.dtype, cuda: bool = True,
                 dense_nvfp4: bool = False) -> list[Item]:
     """The dense weights as load_model leaves them (every float at the model dtype, the GDN
     qkv / z packed with dense_nvfp4; on CUDA the embedding in pinned host memory)."""
-    act = dtype.itemsize
-    by_kind = dict.fromkeys(DENSE_KINDS, 0)
-    for name, spec in dense_specs(a).items():
-        if dense_nvfp4 and spec.kept_nvfp4:
-            by_kind[dense_kind(name)] += nvfp4_bytes(*spec.shape)
-        else:
-            by_kind[dense_kind(name)] += _numel(spec.shape) * act
-    by_kind["lm_head"] = a.vocab_size * a.hidden_size * act
-    embed = by_kind["embedding"]
-    if cuda:
-        by_kind["embedding"] = 0
+    by_kind, embed = mc.dense_bytes(a, dense_specs(a), DENSE_KINDS, mc.dense_kind, dtype, cuda,
+                                    dense_nvfp4)
     n_attn = len(a.attention_layers())
     dt = str(dtype).removeprefix("torch.")
     notes = {
@@ -77,9 +49,6 @@ def state_items(a: Qwen3Args, dtype: torch.dtype, w: Workload) -> list[Item]:
     n_attn = len(a.attention_layers())
     n_gdn = a.num_hidden_layers - n_attn
     Hkv, hd = a.num_key_value_heads, a.head_dim
-    Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
-                      a.linear_value_head_dim)
-    conv_dim, Kc = 2 * Hk * dk + Hv * dv, a.linear_conv_kernel_dim
     who = f"{rows} row(s) x {L:,} tokens"
     per = 2 * Hkv * (hd + 4) if w.kv_cache_dtype == "fp8" else 2 * Hkv * hd * act
     items = [Item("KV cache (K and V)", n_attn * rows * L * per,
@@ -87,10 +56,7 @@ def state_items(a: Qwen3Args, dtype: torch.dtype, w: Workload) -> list[Item]:
                   + (" fp8 + fp32 scales" if w.kv_cache_dtype == "fp8" else f" x {act} B"),
                   grows="context")]
     if n_gdn:
-        items += [Item("GDN recurrent state", n_gdn * rows * Hv * dk * dv * 4,
-                       f"{n_gdn} GDN layers x {rows} x [{Hv}, {dk}, {dv}] fp32"),
-                  Item("GDN conv state", n_gdn * rows * conv_dim * (Kc - 1) * act,
-                       f"{n_gdn} layers x {rows} x [{conv_dim}, {Kc - 1}] x {act} B")]
+        items += mc.gdn_state_items(a, n_gdn, rows, act)
     return items
 
 
@@ -122,18 +88,15 @@ def stream_bytes(a: Qwen3Args, act: int) -> int:
 def attention_prefill_bytes(a: Qwen3Args, act: int, T: int, L: int, fp8: bool) -> int:
     """attention.attention_mixer's prefill of T queries at KV length L above its input: the
     projections and q, k (normed, roped) and the gate, the K/V read (dequantized when fp8), the
-    causal mask, and per query chunk (qsa.causal_query_chunk) its K/V repeated over the query
-    heads, the scores (act and fp32) and the outputs; then o, its gate product and y."""
+    causal mask, and per query chunk (memory_common.causal_chunk_bytes) its K/V repeated over
+    the query heads, the scores (act and fp32) and the outputs; then o, its gate product and y."""
     Hq, Hkv, hd, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
     q_width = Hq * hd * (2 if a.attention_gate else 1)
     proj = T * act * (q_width + 2 * Hkv * hd) * 2  # projections and their normed / roped copies
     kv = L * Hkv * hd * (2 * act + (8 if fp8 else 0))
-    tq = qsa.causal_query_chunk(T, L, a)
-    chunk = 2 * Hq * L * hd * act + tq * (L + Hq * L * max(act + 8, 2 * act + 4)
-                                          + 3 * Hq * hd * act)
     o = T * act * Hq * hd
     return proj + max(T * rms_norm_peak(Hq * hd, act),
-                      kv + T * L + chunk + 2 * o,
+                      kv + T * L + mc.causal_chunk_bytes(a, act, T, L) + 2 * o,
                       3 * o + T * act * D)
 
 

@@ -19,17 +19,14 @@ MODEL_TYPES = ("qwen3_moe",)
 class Qwen3MoeArgs(dec.Qwen3Args):
     @classmethod
     def from_hf(cls, cfg: object, where: str = "config.json") -> Qwen3MoeArgs:
-        t = dec.text_config(cfg, where, None, MODEL_TYPES)
+        t = dec.moe_only_text_config(cfg, where, MODEL_TYPES)
         if t.get("num_experts") is None and t.get("num_local_experts") is not None:
             t = {**t, "num_experts": t["num_local_experts"]}  # transformers 5 writes this name
-        dec.refuse_dense_mlp_layers(t, where)
         f = _Fields(t, where)
         if f.bool("use_sliding_window", False) or f.bool("attention_bias", False):
             raise ModelError(f"{where}: sliding-window attention and attention biases are not "
                              "supported (no released Qwen3-MoE uses them)")
         fields = dec.parse_fields(t, where, partial_rotary=1.0, gdn=False, shared=False)
         fields["norm_topk_prob"] = f.bool("norm_topk_prob", False)
-        a = cls(**fields, attention_gate=False, zero_centred_norms=False,
-                packed_gdn_inputs=False)
-        dec.validate(a, where)
-        return a
+        return cls.build(fields, where, attention_gate=False, zero_centred_norms=False,
+                         packed_gdn_inputs=False)

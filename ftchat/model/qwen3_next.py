@@ -23,12 +23,10 @@ MODEL_TYPES = ("qwen3_next",)
 class Qwen3NextArgs(dec.Qwen3Args):
     @classmethod
     def from_hf(cls, cfg: object, where: str = "config.json") -> Qwen3NextArgs:
-        t = dec.text_config(cfg, where, None, MODEL_TYPES)
-        dec.refuse_dense_mlp_layers(t, where)
+        t = dec.moe_only_text_config(cfg, where, MODEL_TYPES)
         fields = dec.parse_fields(t, where, partial_rotary=0.25, gdn=True, shared=True)
-        a = cls(**fields, attention_gate=True, zero_centred_norms=True, packed_gdn_inputs=True)
-        dec.validate(a, where)
-        return a
+        return cls.build(fields, where, attention_gate=True, zero_centred_norms=True,
+                         packed_gdn_inputs=True)
 
 
 def unpack_gdn_inputs(w: dict[str, Tensor], prefix: str) -> None:

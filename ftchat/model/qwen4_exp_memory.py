@@ -1,7 +1,9 @@
 """The qwen4_exp family's terms of the VRAM plan (docs/design.md section 4.9): its dense weights,
 its decode state, and the transients of its blocks (hyper-connections, QSA attention, GDN, PLE).
 The offload backend's items and the routed experts' transients are the plan's
-(ftchat/vram/plan.py); the registry hands these to it (ftchat/model/registry.py).
+(ftchat/vram/plan.py); the registry hands these to it (ftchat/model/registry.py). The terms it
+shares with the Qwen3 MoE line (dense weight bytes, GDN state, RMSNorm, the causal attention
+chunk, the GDN prefill) are ftchat/model/memory_common.py's.
 
 Legend: B rows, L KV capacity (context), T prefill tokens, V vocab, H hidden, act = bytes of the
 model dtype; fp32 intermediates are 4 B.
@@ -11,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
-from ftchat.codecs.nvfp4 import nvfp4_bytes
 from ftchat.kernels.qsa_attention import default_splits
-from ftchat.model import gdn, ple, qsa, qwen4_exp
+from ftchat.model import gdn, memory_common as mc, ple, qsa, qwen4_exp
 from ftchat.model.config import ModelArgs
+from ftchat.model.memory_common import gdn_prefill_bytes, rms_norm_peak
 from ftchat.model.spec import dense_specs
 from ftchat.sizes import PLE_ON_DEVICE_BYTES
 from ftchat.vram.items import GIB, MIB, Item, Workload
@@ -23,41 +25,23 @@ SHARD = ".ngram_embedding.shard_"
 DENSE_KINDS = ("embedding", "lm_head", "GDN projections", "attention projections",
                "router and shared expert", "hyper-connection mixers", "PLE projections", "norms",
                "PLE n-gram table")
+PARTS = (*mc.SHARED_PARTS, ("hyper_connection", "hyper-connection mixers"),
+         (".ple.", "PLE projections"))
 
 
 # ===== dense weights and decode state (exact) =====
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def dense_kind(name: str) -> str:
     """The plan item a dense tensor (checkpoint name, prefix stripped) belongs to."""
-    if name == "embed_tokens.weight":
-        return "embedding"
-    if name == "lm_head.weight":
-        return "lm_head"
     if SHARD in name or name.endswith(".ngram_embedding.weight"):
         return "PLE n-gram table"
-    if "norm" in name.rsplit(".", 2)[-2]:
-        return "norms"
-    for part, kind in ((".linear_attn.", "GDN projections"),
-                       (".self_attn.", "attention projections"),
-                       (".mlp.", "router and shared expert"),
-                       ("hyper_connection", "hyper-connection mixers"),
-                       (".ple.", "PLE projections")):
-        if part in name:
-            return kind
-    raise AssertionError(name)
+    return mc.dense_kind(name, PARTS)
 
 
 def table_on_device(a: ModelArgs, act: int) -> tuple[int, bool]:
     """(bytes of the n-gram table at act, whether load_model puts it on the device)."""
-    n = sum(_numel(s.shape) for name, s in dense_specs(a).items() if SHARD in name)
+    n = sum(mc.numel(s.shape) for name, s in dense_specs(a).items() if SHARD in name)
     return n * act, n * act <= PLE_ON_DEVICE_BYTES
 
 
@@ -68,18 +52,8 @@ def dense_items(a: ModelArgs, dtype: torch.dtype, cuda: bool = True,
     buffers kept; the load-time fusions only concatenate (row views). On CUDA the embedding
     stays in pinned host memory (ftchat/model/embedding.py)."""
     act = dtype.itemsize
-    by_kind = dict.fromkeys(DENSE_KINDS, 0)
-    for name, spec in dense_specs(a).items():
-        if SHARD in name:
-            continue
-        if dense_nvfp4 and spec.kept_nvfp4:
-            by_kind[dense_kind(name)] += nvfp4_bytes(*spec.shape)
-        else:
-            by_kind[dense_kind(name)] += _numel(spec.shape) * (8 if spec.init == "int64" else act)
-    by_kind["lm_head"] = a.vocab_size * a.hidden_size * act
-    embed = by_kind["embedding"]
-    if cuda:
-        by_kind["embedding"] = 0
+    by_kind, embed = mc.dense_bytes(a, dense_specs(a), DENSE_KINDS, dense_kind, dtype, cuda,
+                                    dense_nvfp4, skip=lambda name: SHARD in name)
     table, on_device = table_on_device(a, act)
     by_kind["PLE n-gram table"] = table if on_device else 0
     n_gdn = sum(not a.is_attention(i) for i in range(a.num_hidden_layers))
@@ -117,9 +91,6 @@ def state_items(a: ModelArgs, dtype: torch.dtype, w: Workload) -> list[Item]:
     n_attn = sum(a.is_attention(i) for i in range(a.num_hidden_layers))
     n_gdn = a.num_hidden_layers - n_attn
     Hkv, hd, di, r = a.num_key_value_heads, a.head_dim, a.indexer_head_dim, a.indexer_compress_ratio
-    Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
-                      a.linear_value_head_dim)
-    conv_dim, Kc = 2 * Hk * dk + Hv * dv, a.linear_conv_kernel_dim
     n_ple, hcD = len(a.ple_layers), a.hc_count * a.hidden_size
     ple_cols = (a.ple_conv_kernel_size - 1) * a.ngram_size
     who = f"{rows} row(s) x {L:,} tokens" + (f" (decoders of {', '.join(map(str, w.decoders))} "
@@ -139,10 +110,7 @@ def state_items(a: ModelArgs, dtype: torch.dtype, w: Workload) -> list[Item]:
         Item("QSA block keys", n_attn * rows * (L // r) * di * act,
              f"compressed keys: {n_attn} layers x {rows} x {L // r:,} blocks x {di} x {act} B",
              grows="context"),
-        Item("GDN recurrent state", n_gdn * rows * Hv * dk * dv * 4,
-             f"{n_gdn} GDN layers x {rows} x [{Hv}, {dk}, {dv}] fp32"),
-        Item("GDN conv state", n_gdn * rows * conv_dim * (Kc - 1) * act,
-             f"{n_gdn} layers x {rows} x [{conv_dim}, {Kc - 1}] x {act} B"),
+        *mc.gdn_state_items(a, n_gdn, rows, act),
         Item("PLE state", n_ple * rows * hcD * ple_cols * act + rows * (a.ngram_size - 1) * 8,
              f"conv columns {n_ple} x {rows} x [{hcD}, {ple_cols}] x {act} B, n-gram context "
              "int64"),
@@ -180,12 +148,6 @@ def decode_terms(a: ModelArgs, act: int, B: int, L: int) -> dict[str, int]:
 # covers them.
 
 
-def rms_norm_peak(n: int, act: int) -> int:
-    """layers.rms_norm of n elements at its peak: x.float(), x * rsqrt(..), that times
-    (1 + w) (fp32 each, the first two kept as locals) and the cast to the model dtype."""
-    return n * (12 + act)
-
-
 def stream_bytes(a: ModelArgs, act: int) -> int:
     """Per token: what qwen4_exp.forward holds across every block of a layer: R [hc*D], the
     block's input h and the last block's output y (its write rides in the next read), the
@@ -219,57 +181,6 @@ def ple_block_bytes(a: ModelArgs, act: int, T: int) -> int:
                         + act * (a.ple_embed_dim + a.hidden_size)) + 8 * hcD
 
 
-def gdn_block_bytes(a: ModelArgs, act: int, t: int) -> int:
-    """Peak bytes of gdn.gdn_core_block's prefill of t tokens (t padded to whole chunks), above
-    its inputs: the max over its steps. Per token and value head, fp32: the conv output [conv
-    dim] (act), q, k [dk], v [dv] heads first; in delta_rule_block the decay and L [C], kb [dk],
-    rhs and the solve's output [dv + dk] each, k_decay [dk], the states [dk dv / C], q e^gamma
-    [dk], the output [dv], q kᵀ [C] and its product [dv]; the gated norm's fp32 [dv] copies."""
-    Hk, Hv, dk, dv = (a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim,
-                      a.linear_value_head_dim)
-    C = gdn.CHUNK
-    t = -(-t // C) * C
-    conv = act * (2 * Hk * dk + Hv * dv)  # per token
-    qkv = 4 * Hv * (2 * dk + dv)
-    f = 4 * Hv  # one fp32 value per token and value head
-    small = 5 * f  # g, beta (fp32), gamma, e^gamma, the exp of last - gamma
-    rule = f * max(3 * C + dk,  # kb kᵀ and its product with the decay; L
-                   2 * C + 2 * dk + dv,  # rhs filled (kb still alive)
-                   2 * C + 2 * (dv + dk),  # the solve: rhs and its output
-                   C + dv + 2 * dk + dk * dv // C,  # chunk_states: k_decay, the states
-                   C + 2 * dv + 2 * dk + dk * dv // C,  # (q e^gamma) @ states
-                   2 * dv + dk + 3 * C)  # q kᵀ times the decay
-    steps = (3 * conv,  # causal_conv: the window, the conv output, its silu
-             2 * conv,  # the padding copy of the conv output
-             conv + 4 * Hv * 3 * dk,  # l2norm of k: q done, k's fp32 copy and its square
-             conv + qkv,  # v's fp32 copy: the conv output is freed after it
-             qkv + small + rule,  # delta_rule_block
-             f * dv * 4 + act * Hv * dv * 3)  # gated_rms_norm: o, x.float(), x * r, z.float()
-    return t * max(steps) + 4 * Hv * dk * dv  # + chunk_states' running state
-
-
-def gdn_prefill_bytes(a: ModelArgs, act: int, T: int, dense_nvfp4: bool = False,
-                      cuda: bool = True) -> int:
-    """Peak bytes of gdn.gdn_mixer_ref's prefill of T > 1 tokens above its input x: the four
-    projections u, z, b, a (kept until out_proj), the core's output [T, Hv*dv] when it runs in
-    more than one sub-block, and one sub-block's transients (`gdn_block_bytes`, at most
-    GDN_SUBBLOCK tokens: bounded whatever T); or out_proj's moment (the core output and y).
-    With the GDN qkv / z kept in NVFP4 (dense_nvfp4) each projection's weight is dequantized
-    for the call (gdn.dense: one kernel to the model dtype on CUDA; on the CPU nvfp4.dequantize's
-    int32 codes and fp32 values, scales and products, ~30 B an element measured: 32 planned)."""
-    D, Hv, dv = a.hidden_size, a.linear_num_value_heads, a.linear_value_head_dim
-    conv_dim = 2 * a.linear_num_key_heads * a.linear_key_head_dim + Hv * dv
-    proj = T * act * (conv_dim + Hv * dv + 2 * Hv)
-    core_out = T * act * Hv * dv
-    weight = 0
-    if dense_nvfp4:
-        weight = conv_dim * D * (act if cuda else 32 + act)
-    sub = min(T, gdn.GDN_SUBBLOCK)
-    return proj + max(weight,
-                      (core_out if T > gdn.GDN_SUBBLOCK else 0) + gdn_block_bytes(a, act, sub),
-                      core_out + T * act * D)
-
-
 def attention_prefill_bytes(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
                             fp8: bool = False, dtype: torch.dtype | None = None) -> int:
     """Peak bytes of qsa.attention_mixer_ref's prefill of T > 1 queries at KV length L above
@@ -301,12 +212,8 @@ def attention_prefill_bytes(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
     scores = N * (2 * Hi * 4 + 4 + 4 + 1)  # select_blocks_rows' block scores, per query
     if N <= top:  # every complete block selected: causal attention over L, in query chunks
         dequant = L * kvh * (8 + 2 * act) if fp8 else 0  # K, V dequantized (slices: no gather)
-        tq = qsa.causal_query_chunk(T, L, a)
-        attn = (T * L + dequant + 2 * Hq * L * hd * act  # the mask, the K/V repeated
-                # a chunk's inverted mask and scores: the masked ones, softmax's fp32 copy of
-                # them and its output, then the output cast to act
-                + tq * (L + Hq * L * max(act + 8, 2 * act + 4)
-                        + 3 * Hq * hd * act)  # its q copy, output and transposed output
+        attn = (T * L + dequant  # the mask
+                + mc.causal_chunk_bytes(a, act, T, L)  # the K/V repeated, one query chunk's
                 + 2 * o)  # the chunk outputs so far, then their concatenation
     elif cuda and qsa.prefill_kernel_supported(a, dtype, 1):  # the kernel path, in query chunks
         tq = qsa.prefill_query_chunk(T, L, a, "cuda", True)

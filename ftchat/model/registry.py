@@ -14,63 +14,37 @@ from pathlib import Path
 from ftchat.errors import ModelError
 from ftchat.model import (qwen3_5_moe, qwen3_decoder, qwen3_decoder_memory, qwen3_moe,
                           qwen3_next, qwen4_exp, qwen4_exp_memory, spec)
-from ftchat.model.config import MODEL_TYPES, ModelArgs, json_kind, read_config_json
+from ftchat.model.config import MODEL_TYPES, ModelArgs, hf_config_object, read_config_json
 from ftchat.model.family import Family, MemoryFormulas
 from ftchat.model.state import DecodeState
 
-QWEN4_EXP = Family(
-    name="qwen4_exp",
-    model_types=MODEL_TYPES,  # qwen4_exp (the wrapper), qwen4_exp_text
-    args_type=ModelArgs,
-    parse_config=ModelArgs.from_hf,
-    dense_specs=spec.dense_specs,
-    expert_specs=spec.expert_specs,
-    expert_name=spec.expert_name,
-    weights=qwen4_exp.Weights,
-    forward=qwen4_exp.forward,
-    new_state=DecodeState.create,
-    routers=qwen4_exp.routers,
-    attention_layers=ModelArgs.attention_layers,
-    memory=MemoryFormulas(
-        dense_items=qwen4_exp_memory.dense_items,
-        state_items=qwen4_exp_memory.state_items,
-        decode_terms=qwen4_exp_memory.decode_terms,
-        prefill_blocks=qwen4_exp_memory.prefill_blocks,
-        stream_bytes=qwen4_exp_memory.stream_bytes,
-        prefill_lengths=qwen4_exp_memory.prefill_lengths,
-    ),
-    describe=qwen4_exp.describe,
-)
 
-# the Qwen3 MoE line: one decoder (ftchat/model/qwen3_decoder.py), a file per family for its
-# config and tensor names
-QWEN3_MEMORY = MemoryFormulas(
-    dense_items=qwen3_decoder_memory.dense_items,
-    state_items=qwen3_decoder_memory.state_items,
-    decode_terms=qwen3_decoder_memory.decode_terms,
-    prefill_blocks=qwen3_decoder_memory.prefill_blocks,
-    stream_bytes=qwen3_decoder_memory.stream_bytes,
-    prefill_lengths=qwen3_decoder_memory.prefill_lengths,
-)
+def _family(name: str, args_type: type, model_types: tuple[str, ...], memory,
+            **parts) -> Family:
+    """A Family reading config.json with args_type.from_hf, the routed experts named and shaped
+    as every family stores them (spec.expert_specs), the VRAM plan terms of the `memory` module
+    (MemoryFormulas.of); `parts`: the rest of Family's fields."""
+    return Family(name=name, model_types=model_types, args_type=args_type,
+                  parse_config=args_type.from_hf, expert_specs=spec.expert_specs,
+                  expert_name=spec.expert_name, memory=MemoryFormulas.of(memory), **parts)
+
+
+QWEN4_EXP = _family(
+    "qwen4_exp", ModelArgs, MODEL_TYPES, qwen4_exp_memory,  # qwen4_exp (the wrapper), its text
+    dense_specs=spec.dense_specs, weights=qwen4_exp.Weights, forward=qwen4_exp.forward,
+    new_state=DecodeState.create, routers=qwen4_exp.routers,
+    attention_layers=ModelArgs.attention_layers, describe=qwen4_exp.describe)
+
+# the Qwen3 MoE line: one decoder (ftchat/model/qwen3_decoder.py) and its VRAM plan terms, a file
+# per family for its config (and qwen3_next's regrouped GDN inputs: its Weights)
 
 
 def _qwen3_family(name: str, module, args_type: type, weights=qwen3_decoder.Weights) -> Family:
-    return Family(
-        name=name,
-        model_types=module.MODEL_TYPES,
-        args_type=args_type,
-        parse_config=args_type.from_hf,
-        dense_specs=qwen3_decoder.dense_specs,
-        expert_specs=spec.expert_specs,
-        expert_name=spec.expert_name,
-        weights=weights,
-        forward=qwen3_decoder.forward,
-        new_state=qwen3_decoder.new_state,
-        routers=qwen3_decoder.routers,
-        attention_layers=qwen3_decoder.attention_layers,
-        memory=QWEN3_MEMORY,
-        describe=qwen3_decoder.describe,
-    )
+    return _family(name, args_type, module.MODEL_TYPES, qwen3_decoder_memory,
+                   dense_specs=qwen3_decoder.dense_specs, weights=weights,
+                   forward=qwen3_decoder.forward, new_state=qwen3_decoder.new_state,
+                   routers=qwen3_decoder.routers, attention_layers=qwen3_decoder.attention_layers,
+                   describe=qwen3_decoder.describe)
 
 
 QWEN3_5_MOE = _qwen3_family("qwen3_5_moe", qwen3_5_moe, qwen3_5_moe.Qwen35MoeArgs)
@@ -90,10 +64,7 @@ def supported_types() -> tuple[str, ...]:
 def family_for_config(cfg: object, where: str = "config.json") -> Family:
     """The family of an HF config (config.json's object), by its model_type; ModelError (one
     line, naming the supported types) for any other."""
-    if not isinstance(cfg, dict):
-        raise ModelError(f"{where}: expected a JSON object (the model's HF config), got "
-                         f"{json_kind(cfg)}")
-    model_type = cfg.get("model_type")
+    model_type = hf_config_object(cfg, where).get("model_type")
     family = _BY_TYPE.get(model_type)
     if family is None:
         raise ModelError(f"{where}: unsupported model_type {model_type!r}; ftchat runs "
