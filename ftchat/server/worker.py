@@ -97,10 +97,11 @@ class EngineWorker:
 
     def __init__(self, resolved: ResolvedModel, settings: Settings, queue_size: int,
                  parallel: int, cache_bytes: int, metrics: Metrics,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], log_requests: bool = True):
         self.resolved, self.settings = resolved, settings
         self.queue_size, self.parallel = queue_size, parallel
         self.metrics, self.log = metrics, log
+        self.log_requests = log_requests  # a line per finished request (off: --quiet)
         self.cache = PrefixCache(cache_bytes)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
@@ -195,6 +196,7 @@ class EngineWorker:
             n = min(WARM_UP_TOKENS, self.max_len)
             self.dec.prefill(0, torch.full((n,), self.session.im_end, dtype=torch.long), 0)
             self.dec.reset()
+        self.metrics.set_backend(self.session.experts.stats())  # whether it reports misses
         self.log(f"ftchat serve: {self.resolved.name}: {self.session.describe()}; loaded in "
                  f"{time.perf_counter() - t:.1f} s")
 
@@ -250,6 +252,7 @@ class EngineWorker:
                                   time.perf_counter() - row.t0, 0.0))
             return
         logits = dec.prefill(b, torch.tensor(ids[i:j]), i)  # [1, V] of token j - 1
+        self.metrics.count_tokens(prefilled=j - i)
         if checkpoint:
             self.cache.add(dec.state, b, ids[:j])
             self.metrics.cache_bytes = self.cache.nbytes
@@ -287,6 +290,7 @@ class EngineWorker:
         logits = self.dec.step(torch.tensor(tokens, device=self.dec.m.device), lengths)
         for b, parts in saved:
             restore_recurrent(self.dec.state, b, parts)
+        self.metrics.count_tokens(decoded=sum(r is not None and not r.pieces for r in self.rows))
         for b, r in enumerate(self.rows):
             if r is not None and not r.pieces:
                 r.length += 1
@@ -323,8 +327,9 @@ class EngineWorker:
         prefilled = len(ids) - r.cached
         self.metrics.record(len(ids), r.cached, len(r.generated), r.prefill_s, prefilled,
                             decode_s, r.decode_tokens, stats, reason)
-        self.log(_log_line(r.job.id, len(ids), r.cached, len(r.generated), r.prefill_s,
-                           prefilled, decode_s, r.decode_tokens, stats, reason))
+        if self.log_requests:
+            self.log(_log_line(r.job.id, len(ids), r.cached, len(r.generated), r.prefill_s,
+                               prefilled, decode_s, r.decode_tokens, stats, reason))
         self._release(b)
         r.job.emit(Finished(reason, len(ids), r.cached, len(r.generated), r.prefill_s,
                             decode_s))
