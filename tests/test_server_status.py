@@ -52,6 +52,18 @@ def test_cells_of_an_idle_resident_server():
     assert status_rows(offloaded_unknown)[-1] == ("misses/token", "-")
 
 
+def test_a_note_below_the_cells_until_the_model_is_ready():
+    state = ["loading"]
+    line = StatusLine(Metrics(), Console(file=io.StringIO(), width=100), lambda: state[0])
+    cells = "running 0   queued 0   decode tok/s -   prompt tok/s -   prefix hits 0/0   " \
+        "cached tokens 0"
+    assert line.render().plain == cells + "\nloading the model"
+    state[0] = "failed"
+    assert line.render().plain == cells + "\nthe model failed to load"
+    state[0] = "ready"
+    assert line.render().plain == cells
+
+
 def test_figures_from_the_metrics():
     m = Metrics()
     m.set_backend({"misses_per_token": None, "slots": 40, "name": "offload"})

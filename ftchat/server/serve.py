@@ -47,10 +47,11 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
     resolved = resolve_model(model, env)
     tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
     metrics = Metrics()
-    # the status line: on a terminal (--panel / --no-panel decide), never with --quiet
+    # the status line: on a terminal (--panel / --no-panel decide), never with --quiet; it
+    # reads the worker's state (made below) only once drawn
     shown = isatty(stderr) if settings.panel is None else settings.panel
-    status = StatusLine(metrics, Console(file=stderr, highlight=False)) \
-        if shown and not settings.quiet else None
+    status = StatusLine(metrics, Console(file=stderr, highlight=False),
+                        lambda: worker.state) if shown and not settings.quiet else None
     log = status.log if status else lambda line: print(line, file=stderr, flush=True)
     if resolved.demo and not settings.quiet:
         log(demo_notice(resolved.path))

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -20,6 +20,7 @@ from ftchat.server.metrics import Metrics
 from ftchat.ui.panel import cells_text
 
 RATE_WINDOW_S = 2.0  # tok/s are measured over about this long
+NOTES = {"loading": "loading the model", "failed": "the model failed to load"}  # worker state
 
 
 @dataclass(frozen=True)
@@ -71,10 +72,12 @@ class Rate:
 
 
 class StatusLine:
-    """The status line of one server: figures read from its Metrics at each refresh."""
+    """The status line of one server: figures read from its Metrics at each refresh, and below
+    them a note while the engine worker's `state()` is not "ready"."""
 
-    def __init__(self, metrics: Metrics, console: Console):
-        self.metrics, self.console = metrics, console
+    def __init__(self, metrics: Metrics, console: Console,
+                 state: Callable[[], str] = lambda: "ready"):
+        self.metrics, self.console, self.state = metrics, console, state
         self.decode, self.prefill = Rate(), Rate()
 
     def figures(self, now: float) -> ServeFigures:
@@ -90,7 +93,8 @@ class StatusLine:
                             offloaded)
 
     def render(self) -> Text:
-        return cells_text(status_rows(self.figures(time.monotonic())), "", self.console.width)
+        return cells_text(status_rows(self.figures(time.monotonic())),
+                          NOTES.get(self.state(), ""), self.console.width)
 
     def log(self, line: str) -> None:
         """A log line, printed above the status line (thread-safe: rich holds its lock)."""
