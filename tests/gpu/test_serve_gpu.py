@@ -1,13 +1,15 @@
 """GPU tier (`pytest -m gpu`, on the device): `ftchat serve` on the demo model on CUDA, with CUDA
 graphs and eagerly, one row and two. Greedy replies equal `ftchat run --json` with the same
 device, graph mode, prefill chunk and batch size (tokens: the text they decode to, and their
-count). Two concurrent requests both complete with the replies of run: a long prompt prefills,
-a short one arrives meanwhile and prefills between the long one's first decode steps (the
-half-prefilled row rides along in the captured graph), and their replies stream at the same
-time; at --parallel 1 (the control) the second waits for the first.
+count), also from a restored prefix checkpoint. Two concurrent requests both complete with the
+replies of run: a long prompt prefills, a short one arrives meanwhile and prefills between the
+long one's first decode steps (the half-prefilled row rides along in the captured graph), and
+their replies stream at the same time; at --parallel 1 (the control) the second waits for the
+first.
 
 Every server and reference run starts at once (one GPU, the demo model is small); without CUDA
-the whole module is skipped before any process starts."""
+the whole module is skipped before any process starts. The CPU path of this file ran here with
+--device cpu --eager (a copy); the CUDA runs have not run yet."""
 
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def test_greedy_chat_equals_run(setup, name):
 @pytest.mark.parametrize("name", ["graph", "eager", "graph2"])
 def test_greedy_completion_equals_run_tokens(setup, tok, name):
     """The raw completion of a rendered chat is the text of exactly the tokens run chose (the
-    prompt has no checkpoint splits, so it is prefilled in run's chunks)."""
+    server prefills it whole, or from a checkpoint an earlier test's chat left)."""
     server, ref = setup[name]
     client = _client(server)
     cases = zip(CHATS if name != "graph2" else PAIR, ref)  # graph2: the pair, one at a time
@@ -107,6 +109,19 @@ def test_greedy_completion_equals_run_tokens(setup, tok, name):
                                       max_tokens=n)
         assert r.choices[0].text == _text(tok, want), (name, messages[-1])
         assert r.usage.completion_tokens == len(want["tokens"])
+
+
+def test_a_restored_checkpoint_gives_run_tokens(setup, tok):
+    """A chat leaves a checkpoint at the end of its prompt's history; the raw completion of the
+    same rendered prompt restores it and prefills only the generation prompt: still run's
+    tokens."""
+    server, ref = setup["graph"]
+    client = _client(server)
+    messages, n = CHATS[1]
+    client.chat.completions.create(model="demo", messages=messages, max_tokens=n)
+    r = client.completions.create(model="demo", prompt=tok.render_chat(messages), max_tokens=n)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    assert r.choices[0].text == _text(tok, ref[1])
 
 
 def _text(tok, ref: dict) -> str:
