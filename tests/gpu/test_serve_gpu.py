@@ -8,8 +8,7 @@ their replies stream at the same time; at --parallel 1 (the control) the second 
 first.
 
 Every server and reference run starts at once (one GPU, the demo model is small); without CUDA
-the whole module is skipped before any process starts. The CPU path of this file ran here with
---device cpu --eager (a copy); the CUDA runs have not run yet."""
+the whole module is skipped before any process starts."""
 
 from __future__ import annotations
 
