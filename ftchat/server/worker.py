@@ -6,9 +6,10 @@ puts into its asyncio queue).
 A job that arrives while others decode is prefilled into a free row one chunk at a time, one
 chunk between two of their decode steps, then joins the steps. This is engine.decode's loop
 (the same `Decoder.prefill`, `Decoder.step`, `engine.pick`, `engine.stop_reason` and
-`Sampler`), written per row so that rows join and leave at any step. Each row keeps the conversation it decoded while
-no other request rides along in its place; a request that continues it prefills only its new
-tokens, and one that shares a prefix with a checkpoint (prefix_cache.py) restores it first.
+`Sampler`), written per row so that rows join and leave at any step. Each row keeps the
+conversation it decoded while no other request rides along in its place; a request that
+continues it prefills only its new tokens, and one that shares a prefix with a checkpoint
+(prefix_cache.py) restores it first.
 """
 
 from __future__ import annotations
@@ -360,7 +361,8 @@ def _pick(logits: torch.Tensor, rows: Sequence[Row | None]) -> list[int]:
     """The tokens of logits [B, V] (engine.pick: one SYNC for every row): row b's by its
     sampler, else the argmax (rows[b] None: a free or half-prefilled row, its token unused);
     -1 where row b's logits hold NaN or +Inf."""
-    samplers = [(b, r.sampler) for b, r in enumerate(rows) if r is not None and r.sampler]
+    samplers = [(b, r.sampler) for b, r in enumerate(rows)
+                if r is not None and r.sampler is not None]
     if not samplers:
         return engine.pick(logits)
 
