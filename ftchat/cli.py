@@ -30,6 +30,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
                                 System, Temp, Threads, TopK, TopP, Verify, VramBudget)
 from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
+from ftchat.cli_options import ServePanel, ServeQuiet
 from ftchat.errors import FtchatError, StdoutError, Terminated
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.sizes import MAX_LINE_BYTES
@@ -194,8 +195,10 @@ def serve(
     prefetch: Prefetch = None, budget: Budget = None, budget_gdn: BudgetGdn = None,
     budget_attn: BudgetAttn = None, candidates: Candidates = None, eviction: Eviction = None,
     overlap: Overlap = None, copy_programs: CopyPrograms = None,
+    quiet: ServeQuiet = None, panel: ServePanel = None,
 ) -> None:
     settings = resolve_settings(dict(
+        quiet=quiet, panel=panel,
         context=context, prefill_chunk=prefill_chunk, device=device, dtype=dtype,
         kv_cache_dtype=kv_cache_dtype, threads=threads, slots=slots, expert_vram=expert_vram,
         vram_budget=vram_budget, graph=graph, kernels=kernels, pdl=pdl,

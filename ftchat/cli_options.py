@@ -92,6 +92,11 @@ Think = Annotated[bool | None, typer.Option(
 Panel = Annotated[bool | None, typer.Option(
     "--panel/--no-panel", metavar="", rich_help_panel=GEN,
     help="Live panel on stderr (default: when a terminal)")]
+ServeQuiet = Annotated[bool | None, typer.Option(
+    "--quiet", "-q", metavar="", help="No status line, demo notice or per-request lines")]
+ServePanel = Annotated[bool | None, typer.Option(
+    "--panel/--no-panel", metavar="",
+    help="Live status line on stderr: requests, tok/s, prefix hits (default: when a terminal)")]
 
 # ===== model and memory =====
 Context = Annotated[int | None, typer.Option(

@@ -278,6 +278,22 @@ def stop_reason(token: int, n: int, limit: int, length: int, max_len: int,
     return None
 
 
+def pick(logits: Tensor, choose: Callable[[Tensor], Tensor] | None = None) -> list[int]:
+    """The token of each row of logits [B, V]: the argmax, or `choose`'s (logits -> tokens [B]
+    on the device); -1 for a row whose logits hold NaN or +Inf, found with the same sync (a
+    -inf logit is a token ruled out, not a fault)."""
+    picked = logits.argmax(-1) if choose is None else choose(logits)  # [B] greedy or drawn
+    broken = (logits.isnan() | logits.isposinf()).any(-1)  # [B]
+    return torch.where(broken, -1, picked).tolist()  # SYNC: the chosen tokens go to the host
+
+
+def broken_output(dtype: torch.dtype, where: str) -> FtchatError:
+    """The error for a row `pick` found broken; `where` names the sequence and position."""
+    return FtchatError(f"the model's output holds NaN or Inf ({where}): its weights are "
+                       f"damaged or the {dtype} computation overflowed; try --dtype float32 or "
+                       "check the checkpoint")
+
+
 def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int],
            limits: Sequence[int], stops: frozenset[int] = frozenset(),
            choose: Callable[[Tensor], Tensor] | None = None,
@@ -302,19 +318,11 @@ def decode(dec: Decoder, prompts: Sequence[Sequence[int]], starts: Sequence[int]
     n, done, decode_tokens = [0] * B, [False] * B, 0
     t0 = _now(m.device, sync=False)
     while True:
-        picked = logits.argmax(-1) if choose is None else choose(logits)  # [B] greedy or drawn
-        # a row whose logits hold NaN or +Inf reads back as -1: found with the same sync (a
-        # -inf logit is a token ruled out, not a fault)
-        broken = (logits.isnan() | logits.isposinf()).any(-1)  # [B]
-        picked = torch.where(broken, -1, picked)
-        tokens = picked.tolist()  # SYNC: the chosen tokens go to the host
+        tokens = pick(logits, choose)  # SYNC inside: the chosen tokens go to the host
         active = [not d for d in done]
         if any(t < 0 and a for t, a in zip(tokens, active)):
             b = next(b for b, t in enumerate(tokens) if t < 0 and active[b])
-            raise FtchatError(f"the model's output holds NaN or Inf (sequence {b + 1}, position "
-                              f"{lengths[b]}): its weights are damaged or the {m.dtype} "
-                              "computation overflowed; try --dtype float32 or check the "
-                              "checkpoint")
+            raise broken_output(m.dtype, f"sequence {b + 1}, position {lengths[b]}")
         reasons = [None] * B
         for b, t in enumerate(tokens):
             if active[b]:

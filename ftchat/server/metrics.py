@@ -27,11 +27,18 @@ class Metrics:
         self.backend: dict[str, float] = {}
         self.cache_bytes = 0  # prefix checkpoints held in host memory
         self.interleaved = 0  # decode steps run while a prompt was half prefilled
+        self.served = 0  # requests finished with a reply (record)
+        self.prefix_hits = 0  # of them, those that reused a kept prefix
+        # tokens decoded (all rows) and prefilled so far, counted as they are made: the live
+        # status line's tok/s
+        self.live_decoded = self.live_prefilled = 0
 
     def record(self, prompt: int, cached: int, generated: int, prefill_s: float,
                prefilled: int, decode_s: float, decoded: int, backend: dict, reason: str):
         with self.lock:
             self.requests[reason] += 1
+            self.served += 1
+            self.prefix_hits += cached > 0
             self.prompt_tokens += prompt
             self.cached_tokens += cached
             self.generated_tokens += generated
@@ -43,7 +50,18 @@ class Metrics:
                 self.last_prefill_tps = prefilled / prefill_s
             if decode_s > 0 and decoded:
                 self.last_decode_tps = decoded / decode_s
-            self.backend = {k: v for k, v in backend.items() if isinstance(v, (int, float))}
+        self.set_backend(backend)
+
+    def set_backend(self, backend: dict) -> None:
+        """The expert backend's figures (its `stats()`; None: not known yet)."""
+        with self.lock:
+            self.backend = {k: v for k, v in backend.items()
+                            if v is None or isinstance(v, (int, float))}
+
+    def count_tokens(self, decoded: int = 0, prefilled: int = 0) -> None:
+        with self.lock:
+            self.live_decoded += decoded
+            self.live_prefilled += prefilled
 
     def count_request(self, reason: str) -> None:
         with self.lock:
@@ -78,6 +96,9 @@ class Metrics:
             metric("prefix_cache_bytes", "gauge",
                    "Host memory held by prefix-reuse checkpoints (bounded by --cache-ram).",
                    [("", self.cache_bytes)])
+            metric("prefix_cache_hits_total", "counter",
+                   "Requests that reused a kept prefix (cached_tokens > 0).",
+                   [("", self.prefix_hits)])
             metric("interleaved_decode_steps_total", "counter",
                    "Decode steps run between two prefill chunks of a new prompt.",
                    [("", self.interleaved)])

@@ -1,22 +1,27 @@
 """`ftchat serve`: resolve the model, start the engine thread (it loads the model while the
-HTTP server already answers /health with 503), then run uvicorn until Ctrl-C."""
+HTTP server already answers /health with 503), then run uvicorn until Ctrl-C. On a terminal a
+live status line (status.py) is drawn on stderr below the log lines."""
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TextIO
 
 import uvicorn
+from rich.console import Console
 
 from ftchat.errors import FtchatError
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.resolve import demo_notice, resolve_model
 from ftchat.server.app import ServerConfig, create_app
 from ftchat.server.metrics import Metrics
+from ftchat.server.status import StatusLine
 from ftchat.server.worker import EngineWorker
 from ftchat.settings import Settings
+from ftchat.ui.panel import isatty
 
 
 @dataclass(frozen=True)
@@ -41,21 +46,29 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
         raise FtchatError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
     resolved = resolve_model(model, env)
     tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
-    log = lambda line: print(line, file=stderr, flush=True)  # noqa: E731
-    if resolved.demo:
-        log(demo_notice(resolved.path))
     metrics = Metrics()
+    # the status line: on a terminal (--panel / --no-panel decide), never with --quiet; it
+    # reads the worker's state (made below) only once drawn
+    shown = isatty(stderr) if settings.panel is None else settings.panel
+    status = StatusLine(metrics, Console(file=stderr, highlight=False),
+                        lambda: worker.state) if shown and not settings.quiet else None
+    log = status.log if status else lambda line: print(line, file=stderr, flush=True)
+    if resolved.demo and not settings.quiet:
+        log(demo_notice(resolved.path))
     settings = dataclasses.replace(settings, batch_size=options.parallel)  # slots, VRAM plan
     worker = EngineWorker(resolved, settings, options.queue, options.parallel,
-                          int(options.cache_ram_gib * 2**30), metrics, log)
+                          int(options.cache_ram_gib * 2**30), metrics, log,
+                          log_requests=not settings.quiet)
     app = create_app(ServerConfig(resolved.name, options.api_key), worker, tokenizer, metrics)
     worker.start()
     log(f"ftchat serve: http://{options.host}:{options.port}/v1 (model loading; /health says "
         "when it is ready)")
-    config = uvicorn.Config(app, host=options.host, port=options.port, log_level="warning",
-                            timeout_graceful_shutdown=1)
     try:
-        uvicorn.Server(config).run()
+        with status.live() if status else nullcontext():
+            # after the status line starts: uvicorn's log handler writes above it
+            config = uvicorn.Config(app, host=options.host, port=options.port,
+                                    log_level="warning", timeout_graceful_shutdown=1)
+            uvicorn.Server(config).run()
     finally:
         worker.stop()
     return 0

@@ -5,10 +5,11 @@ puts into its asyncio queue).
 
 A job that arrives while others decode is prefilled into a free row one chunk at a time, one
 chunk between two of their decode steps, then joins the steps. This is engine.decode's loop
-(the same `Decoder.prefill`, `Decoder.step`, `engine.stop_reason` and `Sampler`), written per
-row so that rows join and leave at any step. Each row keeps the conversation it decoded while
-no other request rides along in its place; a request that continues it prefills only its new
-tokens, and one that shares a prefix with a checkpoint (prefix_cache.py) restores it first.
+(the same `Decoder.prefill`, `Decoder.step`, `engine.pick`, `engine.stop_reason` and
+`Sampler`), written per row so that rows join and leave at any step. Each row keeps the
+conversation it decoded while no other request rides along in its place; a request that
+continues it prefills only its new tokens, and one that shares a prefix with a checkpoint
+(prefix_cache.py) restores it first.
 """
 
 from __future__ import annotations
@@ -97,10 +98,11 @@ class EngineWorker:
 
     def __init__(self, resolved: ResolvedModel, settings: Settings, queue_size: int,
                  parallel: int, cache_bytes: int, metrics: Metrics,
-                 log: Callable[[str], None]):
+                 log: Callable[[str], None], log_requests: bool = True):
         self.resolved, self.settings = resolved, settings
         self.queue_size, self.parallel = queue_size, parallel
         self.metrics, self.log = metrics, log
+        self.log_requests = log_requests  # a line per finished request (off: --quiet)
         self.cache = PrefixCache(cache_bytes)
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.lock = threading.Lock()
@@ -174,11 +176,15 @@ class EngineWorker:
             hit = [(b, r.job) for b, r in enumerate(self.rows)
                    if r is not None and (job is None or r.job is job)]
             for b, j in hit:
-                self.live[b] = None  # half-written
-                self._release(b)
-                self.metrics.count_request("error")
-                self.log(f"ftchat serve: {j.id}: failed: {type(e).__name__}: {e}")
-                j.emit(Failed(f"internal error: {type(e).__name__}: {e}"))
+                self._fail(b, j, f"internal error: {type(e).__name__}: {e}")
+
+    def _fail(self, b: int, job: Job, message: str) -> None:
+        """Job of row b ends with an error event; the row's state is not kept."""
+        self.live[b] = None  # half-written
+        self._release(b)
+        self.metrics.count_request("error")
+        self.log(f"ftchat serve: {job.id}: failed: {message}")
+        job.emit(Failed(message))
 
     def _load(self) -> None:
         s = self.settings
@@ -195,6 +201,7 @@ class EngineWorker:
             n = min(WARM_UP_TOKENS, self.max_len)
             self.dec.prefill(0, torch.full((n,), self.session.im_end, dtype=torch.long), 0)
             self.dec.reset()
+        self.metrics.set_backend(self.session.experts.stats())  # whether it reports misses
         self.log(f"ftchat serve: {self.resolved.name}: {self.session.describe()}; loaded in "
                  f"{time.perf_counter() - t:.1f} s")
 
@@ -250,6 +257,7 @@ class EngineWorker:
                                   time.perf_counter() - row.t0, 0.0))
             return
         logits = dec.prefill(b, torch.tensor(ids[i:j]), i)  # [1, V] of token j - 1
+        self.metrics.count_tokens(prefilled=j - i)
         if checkpoint:
             self.cache.add(dec.state, b, ids[:j])
             self.metrics.cache_bytes = self.cache.nbytes
@@ -258,15 +266,10 @@ class EngineWorker:
         row.length = len(ids)
         if not row.job.sampling.greedy:
             row.sampler = Sampler([row.job.sampling], [ids], dec.m.device)
-        tok = self._choose(row, logits, 0)
+        tok = _pick(logits, [row])[0]  # logits [1, V]
         row.prefill_s = time.perf_counter() - row.t0
         row.decode_t0 = time.perf_counter()
         self._accept(b, row, tok)
-
-    def _choose(self, row: Row, logits: torch.Tensor, b: int) -> int:
-        if row.sampler is None:
-            return int(logits[b].argmax(-1))  # SYNC: the token goes to the host
-        return int(row.sampler(logits[b:b + 1])[0])
 
     def _step(self) -> None:
         """One decode step of every row. A free row rides along on a dummy token (its state is
@@ -287,14 +290,22 @@ class EngineWorker:
         logits = self.dec.step(torch.tensor(tokens, device=self.dec.m.device), lengths)
         for b, parts in saved:
             restore_recurrent(self.dec.state, b, parts)
-        for b, r in enumerate(self.rows):
-            if r is not None and not r.pieces:
+        rows = [r if r is not None and not r.pieces else None for r in self.rows]
+        self.metrics.count_tokens(decoded=sum(r is not None for r in rows))
+        chosen = _pick(logits, rows)
+        for b, r in enumerate(rows):
+            if r is not None:
                 r.length += 1
                 r.decode_tokens += 1
-                self._accept(b, r, self._choose(r, logits, b))
+                self._accept(b, r, chosen[b])
 
     def _accept(self, b: int, r: Row, tok: int) -> None:
-        """Row b chose `tok`: its text goes out; the row ends on a stop rule or a cancel."""
+        """Row b chose `tok`: its text goes out; the row ends on a stop rule or a cancel, or
+        alone with an error when its logits were broken (tok -1)."""
+        if tok < 0:
+            where = f"{r.job.id}, position {r.length - 1}"
+            self._fail(b, r.job, str(engine.broken_output(self.dec.m.dtype, where)))
+            return
         r.generated.append(tok)
         reason = engine.stop_reason(tok, len(r.generated), r.job.limit, r.length, self.max_len,
                                     self.session.tokenizer.eos_ids)
@@ -323,8 +334,9 @@ class EngineWorker:
         prefilled = len(ids) - r.cached
         self.metrics.record(len(ids), r.cached, len(r.generated), r.prefill_s, prefilled,
                             decode_s, r.decode_tokens, stats, reason)
-        self.log(_log_line(r.job.id, len(ids), r.cached, len(r.generated), r.prefill_s,
-                           prefilled, decode_s, r.decode_tokens, stats, reason))
+        if self.log_requests:
+            self.log(_log_line(r.job.id, len(ids), r.cached, len(r.generated), r.prefill_s,
+                               prefilled, decode_s, r.decode_tokens, stats, reason))
         self._release(b)
         r.job.emit(Finished(reason, len(ids), r.cached, len(r.generated), r.prefill_s,
                             decode_s))
@@ -343,6 +355,24 @@ def plan_prefill(start: int, total: int, splits: Sequence[int], chunk: int,
         pieces += [(i, min(i + chunk, cut), i + chunk >= cut) for i in range(start, cut, chunk)]
         start = cut
     return pieces
+
+
+def _pick(logits: torch.Tensor, rows: Sequence[Row | None]) -> list[int]:
+    """The tokens of logits [B, V] (engine.pick: one SYNC for every row): row b's by its
+    sampler, else the argmax (rows[b] None: a free or half-prefilled row, its token unused);
+    -1 where row b's logits hold NaN or +Inf."""
+    samplers = [(b, r.sampler) for b, r in enumerate(rows)
+                if r is not None and r.sampler is not None]
+    if not samplers:
+        return engine.pick(logits)
+
+    def choose(x: torch.Tensor) -> torch.Tensor:
+        picked = x.argmax(-1)  # [B]
+        for b, sampler in samplers:  # each row draws from its own generator
+            picked[b] = sampler(x[b:b + 1])[0]
+        return picked
+
+    return engine.pick(logits, choose)
 
 
 def _raise(e: Exception) -> None:

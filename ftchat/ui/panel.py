@@ -62,10 +62,15 @@ CELL_GAP = "   "
 
 
 def figures_text(f: Figures | None, status: str = "", width: int = 80) -> Text:
-    """The panel: `label value` cells flowed into lines of at most `width` columns (a cell is
-    never split), the status below."""
+    """The panel: the figures' cells (cells_text), the status below."""
+    return cells_text(figure_rows(f), status, width)
+
+
+def cells_text(rows: list[tuple[str, str]], status: str = "", width: int = 80) -> Text:
+    """`label value` cells flowed into lines of at most `width` columns (a cell is never
+    split), the status below."""
     text, col = Text(), 0
-    for label, value in figure_rows(f):
+    for label, value in rows:
         cell = len(label) + 1 + len(value)
         if col and col + len(CELL_GAP) + cell > width:
             text.append("\n")

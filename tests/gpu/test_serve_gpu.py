@@ -1,0 +1,176 @@
+"""GPU tier (`pytest -m gpu`, on the device): `ftchat serve` on the demo model on CUDA, with CUDA
+graphs and eagerly, one row and two. Greedy replies equal `ftchat run --json` with the same
+device, graph mode, prefill chunk and batch size (tokens: the text they decode to, and their
+count), also from a restored prefix checkpoint. Two concurrent requests both complete with the
+replies of run: a long prompt prefills, a short one arrives meanwhile and prefills between the
+long one's first decode steps (the half-prefilled row rides along in the captured graph), and
+their replies stream at the same time; at --parallel 1 (the control) the second waits for the
+first.
+
+Every server and reference run starts at once (one GPU, the demo model is small); without CUDA
+the whole module is skipped before any process starts."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+
+from ftchat.model.tokenizer import Tokenizer
+from tests.server_util import ROOT, run_json, start_server, wait_ready
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="serve on CUDA needs a GPU")]
+
+DEMO = ROOT / "ftchat" / "models" / "demo"
+# a small prefill chunk: the long prompt takes ~100 chunks, time for the short one to arrive
+COMMON = ("--device", "cuda", "--context", "1024", "--prefill-chunk", "8")
+SERVERS = {  # name -> serve flags; each is compared with the run of the same flags
+    "graph": ("--graph", "--parallel", "1"),
+    "eager": ("--eager", "--parallel", "1"),
+    "graph2": ("--graph", "--parallel", "2"),
+}
+ASK = [{"role": "user", "content": "Who are you?"}]
+ADD = [{"role": "system", "content": "Be brief."},
+       {"role": "user", "content": "Write a function that adds two numbers."}]
+LONG = [{"role": "user", "content": "Read this list and say what it holds: "
+         + ", ".join(f"item {i}" for i in range(200))}]
+CHATS = [(ASK, 32), (ADD, 32)]
+PAIR = [(LONG, 16), (ADD, 32)]  # the concurrent pair: the long prompt first, then the short
+
+
+def _line(messages: list[dict], n: int) -> dict:
+    system = {"system": messages[0]["content"]} if messages[0]["role"] == "system" else {}
+    return {"prompt": messages[-1]["content"], "max_new_tokens": n, **system}
+
+
+def _run_lines(flags: tuple[str, ...]) -> list[dict]:
+    """The references: the chats one by one at batch size 1, or, for --parallel 2, the pair
+    decoded together at --batch-size 2 (rows 0 and 1)."""
+    graph_flag, _, parallel = flags
+    if parallel == "1":
+        return run_json([_line(*c) for c in CHATS], *COMMON, graph_flag)
+    return run_json([_line(*c) for c in PAIR], *COMMON, graph_flag, "--batch-size", "2")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """name -> (server, reference lines); the servers load while the references run."""
+    tmp = tmp_path_factory.mktemp("serve-gpu")
+    servers = {}
+    try:
+        for name, flags in SERVERS.items():
+            servers[name] = start_server(tmp, *COMMON, *flags, wait=False)
+        with ThreadPoolExecutor(len(SERVERS)) as pool:
+            refs = dict(zip(SERVERS, pool.map(_run_lines, SERVERS.values())))
+        for s in servers.values():
+            wait_ready(s)
+        yield {name: (servers[name], refs[name]) for name in SERVERS}
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_folder(DEMO)
+
+
+def _client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["graph", "eager"])
+def test_greedy_chat_equals_run(setup, name):
+    server, ref = setup[name]
+    client = _client(server)
+    for (messages, n), want in zip(CHATS, ref):
+        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=n)
+        msg = r.choices[0].message
+        assert msg.content == want["text"], (name, msg.content, want["text"])
+        assert (getattr(msg, "reasoning_content", None) or "") == want["reasoning"]
+        assert r.usage.completion_tokens == len(want["tokens"])
+        assert r.usage.prompt_tokens == want["prompt_tokens"]
+
+
+@pytest.mark.parametrize("name", ["graph", "eager", "graph2"])
+def test_greedy_completion_equals_run_tokens(setup, tok, name):
+    """The raw completion of a rendered chat is the text of exactly the tokens run chose (the
+    server prefills it whole, or from a checkpoint an earlier test's chat left)."""
+    server, ref = setup[name]
+    client = _client(server)
+    cases = zip(CHATS if name != "graph2" else PAIR, ref)  # graph2: the pair, one at a time
+    for (messages, n), want in cases:
+        r = client.completions.create(model="demo", prompt=tok.render_chat(messages),
+                                      max_tokens=n)
+        assert r.choices[0].text == _text(tok, want), (name, messages[-1])
+        assert r.usage.completion_tokens == len(want["tokens"])
+
+
+def test_a_restored_checkpoint_gives_run_tokens(setup, tok):
+    """A chat leaves a checkpoint at the end of its prompt's history; the raw completion of the
+    same rendered prompt restores it and prefills only the generation prompt: still run's
+    tokens."""
+    server, ref = setup["graph"]
+    client = _client(server)
+    messages, n = CHATS[1]
+    client.chat.completions.create(model="demo", messages=messages, max_tokens=n)
+    r = client.completions.create(model="demo", prompt=tok.render_chat(messages), max_tokens=n)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    assert r.choices[0].text == _text(tok, ref[1])
+
+
+def _text(tok, ref: dict) -> str:
+    """The text of run's tokens as a completion returns it: without the stop token."""
+    return tok.decode(ref["tokens"][:-1] if ref["stop"] == "eos" else ref["tokens"])
+
+
+def _stream_text(client, prompt: str, n: int, times: list[float]) -> str:
+    """A streamed completion; the arrival time of each piece of text goes to `times`."""
+    out = []
+    for chunk in client.completions.create(model="demo", prompt=prompt, max_tokens=n,
+                                           stream=True):
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.monotonic())
+            out.append(chunk.choices[0].text)
+    return "".join(out)
+
+
+def _concurrent(server, tok) -> tuple[list[str], list[list[float]], float]:
+    """The long prompt is sent; once the engine holds it (prefilling), the short one. Their
+    texts, the arrival times of their pieces, and the decode steps run while a prompt was half
+    prefilled (the short one's, between the long one's steps)."""
+    client = _client(server)
+    steps = server.metric("ftchat_interleaved_decode_steps_total")
+    times: list[list[float]] = [[], []]
+    (long, n_long), (short, n_short) = PAIR
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(_stream_text, client, tok.render_chat(long), n_long, times[0])
+        end = time.monotonic() + 60
+        while server.metric("ftchat_requests_running") < 1 and time.monotonic() < end:
+            assert not first.done(), first.result()
+        second = _stream_text(client, tok.render_chat(short), n_short, times[1])
+        texts = [first.result(timeout=120), second]
+    assert times[0] and times[1]
+    return texts, times, server.metric("ftchat_interleaved_decode_steps_total") - steps
+
+
+def test_two_concurrent_requests_decode_together(setup, tok):
+    server, ref = setup["graph2"]
+    assert ref[0]["stop"] == "length", "the long prompt's reply ends early: the overlap " \
+        "below needs it to decode while the short prompt prefills"
+    texts, (t_long, t_short), interleaved = _concurrent(server, tok)
+    assert texts == [_text(tok, r) for r in ref]
+    assert interleaved > 0  # the short prompt prefilled while the long one decoded
+    assert t_short[0] < t_long[-1], "the short reply began after the long one ended"
+
+
+def test_one_row_serves_the_second_request_after_the_first(setup, tok):
+    # control for the test above: at --parallel 1 the short request waits in the queue
+    server, _ = setup["graph"]
+    _, (t_long, t_short), interleaved = _concurrent(server, tok)
+    assert interleaved == 0
+    assert t_short[0] > t_long[-1]
