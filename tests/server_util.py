@@ -105,10 +105,10 @@ def wait_ready(server: Server, timeout: float = 180) -> list[int]:
 
 
 def run_json(lines: list[dict], *args: str) -> list[dict]:
-    """`ftchat run --json` on the demo model, one JSON line per prompt; --repeat-penalty 1 (the
-    plain argmax, as serve decodes: serve does not read the demo's generation_config.json)."""
+    """`ftchat run --json` on the demo model, one JSON line per prompt (both run and serve take
+    the demo's generation_config.json: its repetition penalty)."""
     p = subprocess.run([sys.executable, "-m", "ftchat.cli", "run", "--json", "--threads", "1",
-                        "--repeat-penalty", "1", *args], input="".join(json.dumps(x) + "\n" for x in lines),
+                        *args], input="".join(json.dumps(x) + "\n" for x in lines),
                        capture_output=True, text=True, cwd=ROOT, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert p.returncode == 0, p.stderr

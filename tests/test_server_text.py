@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ftchat.model.tokenizer import Tokenizer
+from ftchat.sampling import Sampling
 from ftchat.server.prompt import ChatRenderer
 from ftchat.server.protocol import ApiError, parse_chat, parse_completion
 from ftchat.server.reasoning import ReasoningSplitter, think_open
@@ -165,6 +166,25 @@ def test_good_chat_request_fields():
     assert parse_completion({"prompt": ["hi"]}).prompt == "hi"
     with pytest.raises(ApiError):
         parse_completion({"prompt": ["a", "b"]})
+
+
+def test_the_model_defaults_fill_what_a_request_leaves_out():
+    # the demo's generation_config.json gives a repetition penalty of 1.3; serve passes the
+    # model's defaults as a Sampling
+    defaults = Sampling(repeat_penalty=1.3)
+    msgs = [{"role": "user", "content": "x"}]
+    assert parse_chat({"messages": msgs}, defaults).gen.sampling.repeat_penalty == 1.3
+    assert parse_completion({"prompt": "x"}, defaults).gen.sampling.repeat_penalty == 1.3
+    given = parse_chat({"messages": msgs, "repetition_penalty": 1.0}, defaults)
+    assert given.gen.sampling.repeat_penalty == 1.0 and given.gen.sampling.greedy
+    assert parse_chat({"messages": msgs}).gen.sampling.repeat_penalty == 1.0  # control
+    sampled = parse_chat({"messages": msgs, "temperature": 0.7},
+                         Sampling(top_k=50, top_p=0.9, min_p=0.05))
+    s = sampled.gen.sampling
+    assert (s.temperature, s.top_k, s.top_p, s.min_p) == (0.7, 50, 0.9, 0.05)
+    assert parse_chat({"messages": msgs, "min_p": 0.2, "temperature": 1}).gen.sampling.min_p == 0.2
+    with pytest.raises(ApiError, match="min_p"):
+        parse_chat({"messages": msgs, "min_p": 2})
 
 
 def test_tools_reach_the_prompt_without_template_support():

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException
 
 from ftchat.model.tokenizer import Tokenizer
+from ftchat.sampling import Sampling
 from ftchat.server.metrics import Metrics
 from ftchat.server.prompt import ChatRenderer
 from ftchat.server.protocol import ApiError, Generation, bad, parse_chat, parse_completion
@@ -36,6 +37,9 @@ class ServerConfig:
     max_body_bytes: int = 16 * 2**20
     keepalive_s: float = 15.0  # an SSE comment this often while nothing else is sent
     poll_s: float = 0.5  # how often a non-streamed request checks that its client is there
+    # what a request that names no sampling field gets: the model's generation_config.json
+    # (generation_defaults.py), else greedy
+    sampling: Sampling = Sampling()
 
 
 def create_app(cfg: ServerConfig, worker: EngineWorker, tokenizer: Tokenizer,
@@ -89,7 +93,7 @@ def create_app(cfg: ServerConfig, worker: EngineWorker, tokenizer: Tokenizer,
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        req = parse_chat(await _read_json(request, cfg.max_body_bytes))
+        req = parse_chat(await _read_json(request, cfg.max_body_bytes), cfg.sampling)
         _ready(worker)
         prompt = await asyncio.to_thread(renderer.prompt, req.messages, req.tools,
                                          req.template_kwargs)
@@ -99,7 +103,7 @@ def create_app(cfg: ServerConfig, worker: EngineWorker, tokenizer: Tokenizer,
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_completion(await _read_json(request, cfg.max_body_bytes))
+        req = parse_completion(await _read_json(request, cfg.max_body_bytes), cfg.sampling)
         _ready(worker)
         if isinstance(req.prompt, str):
             ids = await asyncio.to_thread(tokenizer.encode, req.prompt)

@@ -62,7 +62,7 @@ class CompletionRequest:
     gen: Generation
 
 
-def parse_chat(body: object) -> ChatRequest:
+def parse_chat(body: object, defaults: Sampling = Sampling()) -> ChatRequest:
     body = _object(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -81,11 +81,11 @@ def parse_chat(body: object) -> ChatRequest:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise bad("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     limit = _limit(body, ("max_completion_tokens", "max_tokens"))
-    return ChatRequest(msgs, _generation(body, limit),
+    return ChatRequest(msgs, _generation(body, limit, defaults),
                        [] if choice == "none" or not tools else tools, dict(kwargs or {}))
 
 
-def parse_completion(body: object) -> CompletionRequest:
+def parse_completion(body: object, defaults: Sampling = Sampling()) -> CompletionRequest:
     body = _object(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
@@ -99,7 +99,7 @@ def parse_completion(body: object) -> CompletionRequest:
         raise bad("'best_of' above 1 is not implemented", "best_of")
     if body.get("echo"):
         raise bad("'echo' is not implemented", "echo")
-    return CompletionRequest(prompt, _generation(body, _limit(body, ("max_tokens",))))
+    return CompletionRequest(prompt, _generation(body, _limit(body, ("max_tokens",)), defaults))
 
 
 # ===== fields =====
@@ -200,7 +200,8 @@ def _limit(body: dict, names: tuple[str, ...]) -> int | None:
     return None
 
 
-def _generation(body: dict, limit: int | None) -> Generation:
+def _generation(body: dict, limit: int | None, defaults: Sampling) -> Generation:
+    """A request's generation; a sampling field it does not give comes from `defaults`."""
     if _number(body, "n", 1, integer=True, low=1) != 1:
         raise bad("'n' above 1 is not implemented: send one request per reply", "n")
     if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
@@ -220,18 +221,21 @@ def _generation(body: dict, limit: int | None) -> Generation:
         raise bad("'stop' must be a string or a list of strings", "stop")
     if len(stops) > MAX_STOPS:
         raise bad(f"'stop' takes at most {MAX_STOPS} strings", "stop")
-    temperature = float(_number(body, "temperature", 0.0, low=0, high=100))
-    top_p = float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True))
-    top_k = int(_number(body, "top_k", 0, integer=True, low=0))
+    d = defaults
+    temperature = float(_number(body, "temperature", d.temperature, low=0, high=100))
+    top_p = float(_number(body, "top_p", d.top_p, low=0, high=1, low_open=True))
+    top_k = int(_number(body, "top_k", d.top_k, integer=True, low=0))
+    min_p = float(_number(body, "min_p", d.min_p, low=0, high=1))
     if body.get("repetition_penalty") is not None:
         penalty = float(_number(body, "repetition_penalty", 1.0, low=0, low_open=True))
     else:
-        penalty = float(_number(body, "repeat_penalty", 1.0, low=0, low_open=True))
+        penalty = float(_number(body, "repeat_penalty", d.repeat_penalty, low=0, low_open=True))
     seed = _number(body, "seed", None, integer=True)
     if seed is not None:
         seed %= 2**63  # a negative seed is fine too
-    sampling = Sampling(temperature, top_k if temperature > 0 else 0,
-                        top_p if temperature > 0 else 1.0, penalty, seed)
+    sampled = temperature > 0
+    sampling = Sampling(temperature, top_k if sampled else 0, top_p if sampled else 1.0,
+                        penalty, seed, min_p if sampled else 0.0)
     stream = body.get("stream", False)
     if not isinstance(stream, bool) and stream is not None:
         raise bad("'stream' must be true or false", "stream")

@@ -14,8 +14,10 @@ import uvicorn
 from rich.console import Console
 
 from ftchat.errors import FtchatError
+from ftchat.generation_defaults import generation_defaults
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.resolve import demo_notice, resolve_model
+from ftchat.sampling import Sampling
 from ftchat.server.app import ServerConfig, create_app
 from ftchat.server.metrics import Metrics
 from ftchat.server.status import StatusLine
@@ -46,6 +48,8 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
         raise FtchatError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
     resolved = resolve_model(model, env)
     tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
+    # a request without sampling fields decodes as `ftchat run` does on this model
+    defaults = Sampling(**generation_defaults(resolved.path))
     metrics = Metrics()
     # the status line: on a terminal (--panel / --no-panel decide), never with --quiet; it
     # reads the worker's state (made below) only once drawn
@@ -59,7 +63,8 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
     worker = EngineWorker(resolved, settings, options.queue, options.parallel,
                           int(options.cache_ram_gib * 2**30), metrics, log,
                           log_requests=not settings.quiet)
-    app = create_app(ServerConfig(resolved.name, options.api_key), worker, tokenizer, metrics)
+    app = create_app(ServerConfig(resolved.name, options.api_key, sampling=defaults), worker,
+                     tokenizer, metrics)
     worker.start()
     log(f"ftchat serve: http://{options.host}:{options.port}/v1 (model loading; /health says "
         "when it is ready)")
