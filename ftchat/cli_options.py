@@ -145,18 +145,18 @@ Pdl = Annotated[bool | None, typer.Option(
 # ===== offload tuning =====
 Prefetch = Annotated[str | None, typer.Option(
     metavar="MODE", rich_help_panel=OFFLOAD,
-    help="Expert prefetch: off (default), measure (predict and count, copy nothing) or on "
-    "(env FREETOKEN_MOE_PREFETCH)")]
+    help="Expert prefetch: auto (default: on where experts are offloaded on a GPU, else off), "
+    "off, measure (predict and count, copy nothing) or on (env FREETOKEN_MOE_PREFETCH)")]
 Budget = Annotated[str | None, typer.Option(
     metavar="N|auto", rich_help_panel=OFFLOAD,
-    help="Prefetch budget before every layer; auto: the rows the link carries under one "
-    "layer's compute, measured at run time (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
+    help="Prefetch budget before every layer; auto (default): the rows the link carries under "
+    "one layer's compute, measured at run time (env FREETOKEN_MOE_PREFETCH_BUDGET)")]
 BudgetGdn = Annotated[int | None, typer.Option(
     metavar="N", rich_help_panel=OFFLOAD,
-    help=f"Budget before GDN layers (default {_D.budget_gdn})")]
+    help="Budget before GDN layers (default auto)")]
 BudgetAttn = Annotated[int | None, typer.Option(
     metavar="N", rich_help_panel=OFFLOAD,
-    help=f"Budget before attention layers (default {_D.budget_attn})")]
+    help="Budget before attention layers (default auto)")]
 Candidates = Annotated[int | None, typer.Option(
     metavar="K", rich_help_panel=OFFLOAD,
     help=f"Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default {_D.candidates})")]

@@ -6,6 +6,7 @@ Legend: B batch, T tokens, V vocab.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -124,8 +125,9 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
     a = m.args
     S = num_slots(m, settings)
     all_fit = S == a.num_hidden_layers * a.num_experts and settings.slots is None
-    if all_fit and settings.prefetch == "off" and hooks is None:
+    if all_fit and settings.prefetch in ("off", "auto") and hooks is None:
         return resident_backend(m)
+    settings = dataclasses.replace(settings, prefetch=settings.prefetch_mode(m.device.type == "cuda"))
     routers = m.family.routers(m.weights, a)
     cfg = OffloadConfig.from_settings(settings, S, a.num_experts)
     attention = set(m.family.attention_layers(a))

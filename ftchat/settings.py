@@ -31,7 +31,8 @@ ENV_PDL = "FTCHAT_PDL"  # 1 or 0; ftchat's own
 
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
-Prefetch = Literal["off", "measure", "on"]  # off; measure: predict and count only; on: copy
+# auto: on when experts are offloaded on CUDA, else off; measure: predict and count only; on: copy
+Prefetch = Literal["auto", "off", "measure", "on"]
 Eviction = Literal["rule", "lru", "score"]  # see offload/policy.py
 VerifyMode = Literal["meta", "bytes"]
 DeviceName = Literal["auto", "cuda", "cpu"]
@@ -44,15 +45,13 @@ Kernels = Literal["fused", "torch"]  # fused: Triton decode kernels on CUDA; tor
 class Settings:
     """Everything a run is configured with; see `resolve_settings` for sources and checks."""
 
-    prefetch: Prefetch = "off"
-    # prefetches installed before a GDN / an attention layer. One each: on the calibrated
-    # routing the fastest budget on a PCIe-4-class link (measured, H100) and faster than
-    # prefetch off on a PCIe-5 one (the link model); docs/routing.md
-    budget_gdn: int = 1
-    budget_attn: int = 1
-    # --budget auto: both budgets measured at run time from the link's and the compute's
-    # speed (ftchat/offload/budget.py), at most AUTO_CAP
-    budget_auto: bool = False
+    # auto: on where experts are offloaded on a GPU (measured faster than off on an H100 and an
+    # H200: docs/routing.md), else off (on the CPU nothing overlaps a copy)
+    prefetch: Prefetch = "auto"
+    # prefetches installed before a GDN / an attention layer; None (`--budget auto`): the rows
+    # the link carries under one layer's compute, measured at run time (offload/budget.py)
+    budget_gdn: int | None = None
+    budget_attn: int | None = None
     candidates: int = 16  # router-lookahead top-K
     slots: int | None = None  # slot-cache size; None: from expert_vram_gib or automatic
     expert_vram_gib: float | None = None
@@ -131,6 +130,13 @@ class Settings:
         if self.graph and self.torch_device().type != "cuda":
             raise SettingsError("--graph: CUDA graphs need a CUDA device and this run is on the "
                                 "CPU; drop --graph (the CPU decodes eagerly)")
+
+    def prefetch_mode(self, on_cuda: bool) -> str:
+        """off, measure or on: `auto` is on where the experts are offloaded on CUDA (the caller
+        builds an offload backend), off on the CPU."""
+        if self.prefetch != "auto":
+            return self.prefetch
+        return "on" if on_cuda else "off"
 
     def use_graph(self) -> bool:
         """CUDA graphs on CUDA by default; the debug modes (verify, audit, routing record) read
@@ -414,7 +420,7 @@ def resolve_one(field: str, flag: object, env: Mapping[str, str]) -> object:
 
 def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, object]:
     # --budget-gdn / --budget-attn beat --budget, which beats the variable (it sets both);
-    # `auto` (--budget or the variable) measures both at run time
+    # `auto` (--budget or the variable, the default) is None: measured at run time
     out: dict[str, object] = {}
     if env.get(ENV_BUDGET, "").strip():
         out = _budget_value(env[ENV_BUDGET], ENV_BUDGET)
@@ -423,19 +429,18 @@ def _budgets(flags: Mapping[str, object], env: Mapping[str, str]) -> dict[str, o
     for field, flag in (("budget_gdn", "--budget-gdn"), ("budget_attn", "--budget-attn")):
         if flags.get(field) is not None:
             out[field] = _int(0)(flags[field], flag)
-            out["budget_auto"] = False
     return out
 
 
 def _budget_value(value: object, source: str) -> dict[str, object]:
-    """`auto` or an integer >= 0, for both budgets."""
+    """`auto` (None) or an integer >= 0, for both budgets."""
     if isinstance(value, str) and value.strip().lower() == "auto":
-        return {"budget_auto": True}
+        return {"budget_gdn": None, "budget_attn": None}
     try:
         n = _int(0)(value, source)
     except SettingsError:
         raise _fail(source, value, "auto or a non-negative integer") from None
-    return {"budget_gdn": n, "budget_attn": n, "budget_auto": False}
+    return {"budget_gdn": n, "budget_attn": n}
 
 
 # ===== overrides (bench arms): the same parsers, values given as text =====
@@ -455,7 +460,7 @@ def override(base: Settings, flags: Mapping[str, str]) -> Settings:
             values.update(_budget_value(text, "--budget"))
             continue
         if key in ("budget_gdn", "budget_attn"):
-            values.update({key: _int(0)(text, "--" + key.replace("_", "-")), "budget_auto": False})
+            values[key] = _int(0)(text, "--" + key.replace("_", "-"))
             continue
         if key not in by_key:
             raise SettingsError(f"unknown setting {key!r}")

@@ -64,7 +64,7 @@ def test_the_limit_is_read_per_layer():
 
 
 def _auto(row_s, layers=48, cap=4):
-    return AutoBudget(layers, cap, row_s, torch.device("cpu"),
+    return AutoBudget([None] * layers, cap, row_s, torch.device("cpu"),
                       torch.zeros(layers, dtype=torch.int64), StepClock(torch.device("cpu")))
 
 
@@ -100,7 +100,7 @@ def test_the_window_times_budget_zero_steps_then_sets_the_limit():
     misses = torch.zeros(layers, dtype=torch.int64)
     # marks: window start at 1.0 s, end 8 steps later at 1.0 + 8 x 10 ms
     clock = ScriptedClock([1.0, 1.0 + WINDOW_STEPS * 10e-3])
-    auto = AutoBudget(layers, 4, 0.5e-3, torch.device("cpu"), misses, clock)
+    auto = AutoBudget([None] * layers, 4, 0.5e-3, torch.device("cpu"), misses, clock)
     for step in range(1, SKIP_STEPS + WINDOW_STEPS + 5):
         misses += 1  # 4 misses a step
         auto.end_step()
@@ -113,7 +113,8 @@ def test_the_window_times_budget_zero_steps_then_sets_the_limit():
 
 def test_a_reset_in_the_window_starts_it_again():
     clock = ScriptedClock([0.0, 5.0, 5.0 + WINDOW_STEPS * 10e-3])
-    auto = AutoBudget(2, 4, 1e-3, torch.device("cpu"), torch.zeros(2, dtype=torch.int64), clock)
+    auto = AutoBudget([None] * 2, 4, 1e-3, torch.device("cpu"), torch.zeros(2, dtype=torch.int64),
+                      clock)
     for _ in range(SKIP_STEPS + 1):
         auto.end_step()
     auto.restart()
@@ -131,7 +132,7 @@ def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
     folder = request.getfixturevalue(fmt)
     checker = InvariantChecker()
     slots = 2 * bs * model(folder).args.num_experts_per_tok + 8
-    tokens, logits, ex = run(folder, bs, slots=slots, prefetch="on", budget_auto=True,
+    tokens, logits, ex = run(folder, bs, slots=slots, prefetch="on", budget_gdn=None, budget_attn=None,
                              hooks=checker)
     ref_tokens, ref_logits = reference(folder, bs)  # the all-resident backend
     assert tokens == ref_tokens and torch.equal(logits, ref_logits)
@@ -149,8 +150,8 @@ def test_installs_stop_at_the_chosen_budget(tiny_nvfp4, monkeypatch):
         return real_choose(self, self.num_layers * self.row_s + misses * self.row_s, misses)
     monkeypatch.setattr(AutoBudget, "choose", one_row_a_layer)
     slots = 2 * model(tiny_nvfp4).args.num_experts_per_tok + 8
-    tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on", budget_auto=True)
-    assert ex.auto.chosen == 1 and ex.cfg.budget_gdn == 4  # the plan's size
+    tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on")  # the default: auto
+    assert ex.auto.chosen == 1 and ex.budgets == [4] * len(ex.budgets)  # the plans' size
     steps_after = len(tokens) - 1 - (SKIP_STEPS + WINDOW_STEPS)
     installs = ex.maps.stats.prefetch_installs
     assert int(installs.max()) <= steps_after
@@ -162,19 +163,45 @@ def test_fixed_budget_control_installs_more_than_one_a_step(tiny_nvfp4):
     # negative control for the test above: a fixed budget of 4 does exceed one install a step
     slots = 2 * model(tiny_nvfp4).args.num_experts_per_tok + 8
     tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on", budget_gdn=4, budget_attn=4)
+    assert ex.auto is None
     assert int(ex.maps.stats.prefetch_installs.max()) > len(tokens) - 1 - (SKIP_STEPS
                                                                            + WINDOW_STEPS)
 
 
 def test_settings_parse_auto():
-    s = resolve_settings({"budget": "auto"}, env={})
-    assert s.budget_auto
+    assert (Settings().budget_gdn, Settings().budget_attn) == (None, None)  # auto by default
+    s = resolve_settings({"budget": "auto"}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "2"})
+    assert (s.budget_gdn, s.budget_attn) == (None, None)
     s = resolve_settings({"budget": "2"}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "auto"})
-    assert not s.budget_auto and (s.budget_gdn, s.budget_attn) == (2, 2)
+    assert (s.budget_gdn, s.budget_attn) == (2, 2)
     s = resolve_settings({"budget_gdn": 3}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "auto"})
-    assert not s.budget_auto and s.budget_gdn == 3
-    assert resolve_settings({}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "AUTO"}).budget_auto
-    assert override(Settings(), {"budget": "auto"}).budget_auto
-    assert not override(Settings(budget_auto=True), {"budget": "3"}).budget_auto
+    assert (s.budget_gdn, s.budget_attn) == (3, None)
+    s = resolve_settings({}, env={"FREETOKEN_MOE_PREFETCH_BUDGET": "3"})
+    assert (s.budget_gdn, s.budget_attn) == (3, 3)
+    assert override(Settings(budget_gdn=1, budget_attn=1), {"budget": "auto"}).budget_gdn is None
+    assert override(Settings(), {"budget": "3"}).budget_attn == 3
     with pytest.raises(SettingsError, match="--budget 'x'.*auto or a non-negative integer"):
         resolve_settings({"budget": "x"}, env={})
+
+
+def test_prefetch_auto_is_on_only_where_experts_are_offloaded_on_cuda():
+    assert Settings().prefetch == "auto"
+    assert Settings().prefetch_mode(on_cuda=True) == "on"
+    assert Settings().prefetch_mode(on_cuda=False) == "off"
+    assert Settings(prefetch="off").prefetch_mode(on_cuda=True) == "off"
+    assert Settings(prefetch="measure").prefetch_mode(on_cuda=False) == "measure"
+
+
+def test_a_fixed_layer_keeps_its_budget_beside_auto_layers(tiny_nvfp4):
+    # --budget-gdn 2 with attention layers on auto: the limit starts at 2 for GDN layers, 0 for
+    # attention ones, and only the auto layers take the measured budget
+    m = model(tiny_nvfp4)
+    slots = 2 * m.args.num_experts_per_tok + 8
+    tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on", budget_gdn=2)
+    attention = set(m.family.attention_layers(m.args))
+    assert attention and len(attention) < m.args.num_hidden_layers
+    auto = [i in attention for i in range(m.args.num_hidden_layers)]
+    assert ex.auto.auto.tolist() == auto
+    assert ex.budgets == [4 if a else 2 for a in auto]
+    assert ex.auto.limit.tolist() == [ex.auto.chosen if a else 2 for a in auto]
+    assert tokens == reference(tiny_nvfp4, 1)[0]

@@ -11,7 +11,7 @@ from ftchat.settings import Settings, resolve_settings
 
 def test_defaults():
     s = resolve_settings({}, {})
-    assert (s.prefetch, s.budget_gdn, s.budget_attn, s.candidates) == ("off", 1, 1, 16)
+    assert (s.prefetch, s.budget_gdn, s.budget_attn, s.candidates) == ("auto", None, None, 16)
     assert (s.slots, s.expert_vram_gib, s.eviction, s.overlap, s.graph) == (None, None, "rule",
                                                                             True, None)
     assert (s.max_new_tokens, s.batch_size, s.device, s.dtype) == (256, 1, "auto", "auto")
@@ -30,7 +30,7 @@ def test_defaults():
     ("FREETOKEN_MOE_SLIM_COPY", "4", "copy_programs", 4),
     ("FREETOKEN_MOE_SLIM_COPY", "0", "copy_programs", 0),
     ("FREETOKEN_MOE_SLIM_COPY", "off", "copy_programs", 0),
-    ("FREETOKEN_MOE_PREFETCH", "", "prefetch", "off"),  # empty means unset
+    ("FREETOKEN_MOE_PREFETCH", "", "prefetch", "auto"),  # empty means unset
 ])
 def test_environment(var, value, field, expected):
     assert getattr(resolve_settings({}, {var: value}), field) == expected

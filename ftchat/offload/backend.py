@@ -105,26 +105,28 @@ class OffloadConfig:
     num_slots: int
     policy: str  # Eviction: rule | lru
     prefetch: str  # Prefetch: off | measure | on
-    budget_gdn: int  # prefetch budget when the prefetched layer is GDN
-    budget_attn: int  # ... when it is attention
-    budget_auto: bool  # both budgets measured at run time (offload/budget.py), at most the above
+    budget_gdn: int | None  # prefetch budget when the prefetched layer is GDN; None: auto
+    budget_attn: int | None  # ... when it is attention
     candidates: int  # router-lookahead top-K (at most the layer's experts)
     overlap: bool
     copy_programs: int
 
     @classmethod
     def from_settings(cls, s: Settings, num_slots: int, num_experts: int) -> OffloadConfig:
+        """s.prefetch resolved (off | measure | on: Settings.prefetch_mode)."""
+        assert s.prefetch != "auto", "resolve the prefetch mode first (Settings.prefetch_mode)"
         top = min(num_slots, MAX_BUDGET - 1)  # a prefetch plan holds at most this many
         for flag, b in (("--budget-gdn", s.budget_gdn), ("--budget-attn", s.budget_attn)):
-            if s.prefetch != "off" and b > top:
+            if s.prefetch != "off" and b is not None and b > top:
                 raise SettingsError(f"{flag} {b} (or --budget): expected 0 to {top}, at most "
                                     f"the {num_slots} expert slots")
-        if s.budget_auto:  # the plans are sized for the largest budget auto may pick
-            cap = min(AUTO_CAP, top)
-            return cls(num_slots, s.eviction, s.prefetch, cap, cap, True,
-                       min(s.candidates, num_experts), s.overlap, s.copy_programs)
-        return cls(num_slots, s.eviction, s.prefetch, s.budget_gdn, s.budget_attn, False,
+        return cls(num_slots, s.eviction, s.prefetch, s.budget_gdn, s.budget_attn,
                    min(s.candidates, num_experts), s.overlap, s.copy_programs)
+
+    def layer_budgets(self, attention_layers: set[int], num_layers: int) -> list[int | None]:
+        """Per layer: its fixed budget, or None where it is measured (auto)."""
+        return [self.budget_attn if i in attention_layers else self.budget_gdn
+                for i in range(num_layers)]
 
 
 class OffloadExperts:
@@ -144,8 +146,10 @@ class OffloadExperts:
         self.host, self.layout, self.cfg, self.device = host_rows, layout, cfg, device
         self.routers = routers  # gate.weight [E, D] per layer (dense, on device)
         self.num_layers, self.num_experts = len(routers), routers[0].shape[0]
-        self.budgets = [cfg.budget_attn if i in attention_layers else cfg.budget_gdn
-                        for i in range(self.num_layers)]
+        fixed = cfg.layer_budgets(attention_layers, self.num_layers)  # None: auto
+        # each prefetch plan's size: an auto layer's is the largest budget auto may pick
+        cap = min(AUTO_CAP, cfg.num_slots, MAX_BUDGET - 1)
+        self.budgets = [cap if b is None else b for b in fixed]
         self.streams, self.hooks = streams, hooks or Hooks()
         # the router lookahead runs for prefetch, and for a hook that records its candidates
         self.predicts = cfg.prefetch != "off" or self.hooks.reads_candidates
@@ -159,9 +163,9 @@ class OffloadExperts:
         self.maps.on_write = self.hooks.on_map_write
         self.bank = torch.zeros(cfg.num_slots + 1, layout.nbytes, dtype=torch.uint8, device=device)
         # --budget auto: the per-layer budget the prefetch kernel reads from the device
-        self.auto = (AutoBudget.measured(self.num_layers, cfg.budget_gdn, host_rows, self.bank,
-                                         streams, self.maps.stats.misses, cfg.copy_programs)
-                     if cfg.budget_auto and cfg.prefetch == "on" else None)
+        self.auto = (AutoBudget.measured(fixed, cap, host_rows, self.bank, streams,
+                                         self.maps.stats.misses, cfg.copy_programs)
+                     if None in fixed and cfg.prefetch == "on" else None)
         # measure mode: per layer [selected, useful, demand misses] (what prefetch would do)
         self.measured = torch.zeros(self.num_layers, 3, dtype=torch.int64, device=device)
         # predictor output per layer [C] (written on the predictor stream)

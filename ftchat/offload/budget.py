@@ -86,21 +86,24 @@ def probe_row_seconds(host: Tensor, bank: Tensor, run_copy: Callable[[Callable[[
 
 class AutoBudget:
     """The adaptive budget of one offload backend. `limit` [L] int32 is what the prefetch kernel
-    reads; `end_step` runs after every decode step (on the host, outside any graph)."""
+    reads: a fixed layer's budget from the start, an auto layer's 0 until the window ends, then
+    the chosen budget. `end_step` runs after every decode step (on the host, outside any graph)."""
 
-    def __init__(self, num_layers: int, cap: int, row_s: float, device: torch.device,
+    def __init__(self, fixed: list[int | None], cap: int, row_s: float, device: torch.device,
                  misses: Tensor, clock: StepClock):
-        self.num_layers, self.cap, self.row_s = num_layers, cap, row_s
+        self.num_layers, self.cap, self.row_s = len(fixed), cap, row_s
         self.misses = misses  # [L] int64 running demand-miss counters (the maps' stats)
         self.clock = clock
-        self.limit = torch.zeros(num_layers, dtype=torch.int32, device=device)  # budget 0 first
-        self.chosen: int | None = None  # the budget, once measured
+        self.auto = torch.tensor([b is None for b in fixed], device=device)  # [L] bool
+        self.limit = torch.tensor([0 if b is None else b for b in fixed], dtype=torch.int32,
+                                  device=device)  # [L]
+        self.chosen: int | None = None  # the budget of the auto layers, once measured
         self.compute_s: float | None = None  # the measured compute time of a step
         self.steps = 0
         self.start: tuple[object, Tensor] | None = None  # (time stamp, misses so far)
 
     @classmethod
-    def measured(cls, num_layers: int, cap: int, host: Tensor, bank: Tensor, streams,
+    def measured(cls, fixed: list[int | None], cap: int, host: Tensor, bank: Tensor, streams,
                  misses: Tensor, programs: int) -> AutoBudget:
         """Probe the link now, on the prefetch stream of `streams` (no slot touched); the
         compute time is measured over the first decode steps."""
@@ -110,7 +113,7 @@ class AutoBudget:
             streams.run("prefetch", fn)
             streams.synchronize()
         row_s = probe_row_seconds(host, bank, on_prefetch_stream, clock, programs)
-        return cls(num_layers, cap, row_s, bank.device, misses, clock)
+        return cls(fixed, cap, row_s, bank.device, misses, clock)
 
     def restart(self) -> None:
         """The cache was emptied: a window in progress starts again (a chosen budget stays)."""
@@ -129,10 +132,11 @@ class AutoBudget:
             self.choose(step_s, misses)
 
     def choose(self, step_s: float, misses_per_step: float) -> int:
-        """Set the budget from a measured step time and its demand misses (one call)."""
-        # the demand copies are on the critical path at budget 0; what remains is compute
+        """Set the auto layers' budget from a measured step time and its demand misses (once).
+        A fixed layer's installs count as compute here: the window runs them as configured."""
+        # the demand copies are on the critical path; what remains is compute
         self.compute_s = max(step_s - misses_per_step * self.row_s, 0.0)
         b = shadow_budget(self.compute_s, self.num_layers, self.row_s)
         self.chosen = min(max(b, 0), self.cap)
-        self.limit.fill_(self.chosen)  # on the compute stream, before the next step
+        self.limit.masked_fill_(self.auto, self.chosen)  # on the compute stream, before the next step
         return self.chosen

@@ -77,9 +77,10 @@ def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap
     for prefetch, policy, auto in (("off", "lru", False), ("on", "rule", False),
                                    ("on", "lru", False), ("off", "score", False),
                                    ("on", "score", False), ("on", "rule", True)):
+        budget = None if auto else 1
         (tokens, logits), ex = offloaded(folder, bs, graph, steps, slots=bs * 4 + 10,
                                          eviction=policy, overlap=overlap, prefetch=prefetch,
-                                         budget_auto=auto)
+                                         budget_gdn=budget, budget_attn=budget)
         assert tokens == ref[0], (prefetch, policy, auto)
         assert torch.equal(logits, ref[1]), (prefetch, policy, auto)
         assert int(ex.maps.stats.misses.sum()) > 0
@@ -99,9 +100,8 @@ def test_a_replayed_graph_reads_the_budget_auto_sets(folders, graph, monkeypatch
     monkeypatch.setattr(AutoBudget, "choose", one_row_a_layer)
     f = folders["nvfp4-modelopt"]
     steps = STEPS if graph else EAGER_STEPS
-    (tokens, logits), ex = offloaded(f, 1, graph, steps, slots=14, prefetch="on",
-                                     budget_auto=True)
-    assert ex.auto.chosen == 1 and ex.cfg.budget_gdn == 4
+    (tokens, logits), ex = offloaded(f, 1, graph, steps, slots=14, prefetch="on")
+    assert ex.auto.chosen == 1 and ex.budgets == [4] * len(ex.budgets)
     installs = ex.maps.stats.prefetch_installs
     assert 0 < int(installs.max()) <= steps - 1 - (SKIP_STEPS + WINDOW_STEPS)
     ref = resident(f, 1, graph, steps)
