@@ -204,7 +204,7 @@ BenchPrefetch = Annotated[str | None, typer.Option(
     "on, resident (every expert in VRAM) (default off,on)")]
 BenchBudget = Annotated[str | None, typer.Option(
     "--budget", metavar="LIST", help="Prefetch budgets of the measure and on arms, one arm "
-    "each: N or auto (default 1,4)")]
+    "each: N or auto (default auto,1)")]
 BenchContexts = Annotated[str | None, typer.Option(
     "--context", "-c", metavar="LIST", help="Context lengths, e.g. 4k,32k (default 4k, less "
     "where the model's positions need it)")]

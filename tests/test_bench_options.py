@@ -45,7 +45,7 @@ def _main(argv, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("prefetch, budget, arms", [
-    (None, None, "off;on:budget=1;on:budget=4"),  # the default
+    (None, None, "off;on:budget=auto;on:budget=1"),  # the default
     ("off", None, "off"),
     ("resident,off,on", "2", "resident;off;on:budget=2"),
     ("off,measure", "1,4", "off;measure:budget=1;measure:budget=4"),
@@ -83,7 +83,7 @@ def test_bench_runs_the_arms_the_choices_stand_for(tiny_bf16, capsys, monkeypatc
         assert code == 0, err
         return [list(figures) for figures in json.loads(out).values()]
 
-    assert arms() == [["off", "on:budget=1", "on:budget=4"]]
+    assert arms() == [["off", "on:budget=auto", "on:budget=1"]]
     assert arms("--prefetch", "off,on", "--budget", "2") == [["off", "on:budget=2"]]
     assert arms("--arms", "resident;off") == [["resident", "off"]]  # the old way still works
     code, out, err = _main(["bench", tiny_bf16, *FAST, "--arms", "off", "--prefetch", "on"],

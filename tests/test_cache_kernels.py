@@ -56,7 +56,7 @@ def test_dispatchers_call_the_kernels_where_use_triton_holds(monkeypatch):
     calls: list[str] = []
     monkeypatch.setattr(ck, "use_triton", lambda maps: True)
     monkeypatch.setattr(ck, "ensure_triton", lambda *a: calls.append("ensure") or "plan")
-    monkeypatch.setattr(ck, "prefetch_ensure_triton", lambda *a: calls.append("pf") or "pplan")
+    monkeypatch.setattr(ck, "prefetch_ensure_triton", lambda *a, **k: calls.append("pf") or "pplan")
     m = SlotMaps.create(2, 8, 6)
     before = state(m)
     assert ck.ensure_any(m, 0, torch.tensor([[1, 2]]), LRU) == "plan"

@@ -40,7 +40,7 @@ ARM_KEYS = (
      "(its tokens are not the model's)"),
 )
 EXAMPLES = (
-    ('"off;on:budget=1;on:budget=4"', "the default: --prefetch off,on --budget 1,4"),
+    ('"off;on:budget=auto;on:budget=1"', "the default: --prefetch off,on --budget auto,1"),
     ('"resident;off;on:budget=2"', "as --prefetch resident,off,on --budget 2"),
     ('"resident;resident:fused=0"', "fused kernels against the torch path"),
     ('"off;off:eviction=lru"', "rule against LRU eviction"),
@@ -83,13 +83,13 @@ def _item(name: str, what: str) -> list[str]:
 
 def arms_of_choices(prefetch: str | None, budget: str | None) -> str:
     """The --arms string that --prefetch LIST and --budget LIST stand for: one arm per prefetch
-    mode, and for each of measure and on one arm per budget (default off,on and 1,4)."""
+    mode, and for each of measure and on one arm per budget (default off,on and auto,1)."""
     modes = _items(prefetch or "off,on", "--prefetch")
     bad = [m for m in modes if m not in HEADS]
     if bad:
         raise FtchatError(f"--prefetch {bad[0]!r}: expected a list of {', '.join(HEADS)} "
                           "(e.g. off,on)")
-    budgets = _items(budget or "1,4", "--budget")
+    budgets = _items(budget or "auto,1", "--budget")
     for b in budgets:
         if not (b.isdigit() or b == "auto"):
             raise FtchatError(f"--budget {b!r}: expected non-negative integers or auto "
