@@ -127,7 +127,8 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
     all_fit = S == a.num_hidden_layers * a.num_experts and settings.slots is None
     if all_fit and settings.prefetch in ("off", "auto") and hooks is None:
         return resident_backend(m)
-    settings = dataclasses.replace(settings, prefetch=settings.prefetch_mode(m.device.type == "cuda"))
+    on_cuda = m.device.type == "cuda"
+    settings = dataclasses.replace(settings, prefetch=settings.prefetch_mode(on_cuda))
     routers = m.family.routers(m.weights, a)
     cfg = OffloadConfig.from_settings(settings, S, a.num_experts)
     attention = set(m.family.attention_layers(a))

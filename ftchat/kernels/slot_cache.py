@@ -271,7 +271,8 @@ def ensure_slots(ids: Tensor, slot_of: Tensor, id_of: Tensor, key: Tensor, clock
 @_jit(do_not_specialize=_PLAIN_INTS + ["budget"])
 def _prefetch_kernel(cand_ptr, prot_ptr, slot_of_ptr, id_of_ptr, key_ptr, clock_ptr,
                      installs_ptr, src_ptr, dst_ptr, count_ptr, limit_ptr, base, layer, S, N,
-                     budget, LIMITED: tl.constexpr, C: tl.constexpr, CB: tl.constexpr, P: tl.constexpr, VB: tl.constexpr,
+                     budget, LIMITED: tl.constexpr, C: tl.constexpr, CB: tl.constexpr,
+                     P: tl.constexpr, VB: tl.constexpr,
                      BLOCK: tl.constexpr, TILES: tl.constexpr, TB: tl.constexpr,
                      LOW: tl.constexpr, RES: tl.constexpr, MASKED: tl.constexpr,
                      HIT_BITS: tl.constexpr, HMASK: tl.constexpr, RANK_BITS: tl.constexpr,
@@ -336,7 +337,8 @@ def prefetch_slots(candidates: Tensor, protect: Tensor, slot_of: Tensor, id_of: 
     _prefetch_kernel[(1,)](
         _nonempty(candidates.contiguous()), _nonempty(protect.contiguous()), slot_of, id_of, key,
         clock, installs, src, dst, count, count if limit is None else limit, base, layer, s, n,
-        budget, LIMITED=limit is not None, C=c, CB=_size(c), P=p, VB=vb, BLOCK=block, TILES=tiles, TB=tb,
+        budget, LIMITED=limit is not None, C=c, CB=_size(c), P=p, VB=vb, BLOCK=block,
+        TILES=tiles, TB=tb,
         num_warps=_warps(block, num_warps, 4096), **bands.constexprs(),
     )
     return src[:budget], dst[:budget], count

@@ -10,8 +10,8 @@ layer's compute time (docs/routing.md 4):
 Both times are measured in this process, on this machine:
   t_row      at construction: a timed copy of `LINK_PROBE_ROWS` expert rows from the host store
              into the bank's sink row (no slot is touched), best of three;
-  T_compute  over the first `WINDOW_STEPS` decode steps after `SKIP_STEPS`, run with budget 0
-             (prefetch predicts but installs nothing, so the step is the prefetch-off step):
+  T_compute  over the first `WINDOW_STEPS` decode steps after `SKIP_STEPS`, the auto layers at
+             budget 0 (prefetch predicts but installs nothing there: the prefetch-off step):
              the mean step time less the demand copies' link time (misses x t_row).
 The budget lives in a device tensor [L] int32 that the prefetch kernel reads (`limit`), so a
 captured graph picks the new value up without a recapture. The first measurement is kept for
@@ -72,15 +72,15 @@ def probe_row_seconds(host: Tensor, bank: Tensor, run_copy: Callable[[Callable[[
     count = torch.tensor([n], dtype=torch.int32, device=bank.device)
     best = float("inf")
     for i in range(4):
-        start = []
+        marks = []
 
         def copy():
-            start.append(clock.mark())
+            marks.append(clock.mark())
             copy_rows(host, bank, src, dst, count, programs)
-            start.append(clock.mark())
+            marks.append(clock.mark())
         run_copy(copy)
         if i > 0:  # the first one compiles and warms up
-            best = min(best, clock.seconds(start[0], start[1]))
+            best = min(best, clock.seconds(marks[0], marks[1]))
     return max(best, 1e-12) / n
 
 
@@ -138,5 +138,5 @@ class AutoBudget:
         self.compute_s = max(step_s - misses_per_step * self.row_s, 0.0)
         b = shadow_budget(self.compute_s, self.num_layers, self.row_s)
         self.chosen = min(max(b, 0), self.cap)
-        self.limit.masked_fill_(self.auto, self.chosen)  # on the compute stream, before the next step
+        self.limit.masked_fill_(self.auto, self.chosen)  # compute stream, before the next step
         return self.chosen
