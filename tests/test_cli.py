@@ -220,7 +220,7 @@ BAD = [
     ("unknown-flag", ["run", "{model}", "--bogus"], {}, "hi", "No such option: --bogus",
      ["run", "{model}"], {}),
     ("invalid-env", ["run", "{model}"], {"FREETOKEN_MOE_PREFETCH": "yes"}, "hi",
-     "FREETOKEN_MOE_PREFETCH='yes': expected off, measure or on", ["run", "{model}"],
+     "FREETOKEN_MOE_PREFETCH='yes': expected auto, off, measure or on", ["run", "{model}"],
      {"FREETOKEN_MOE_PREFETCH": "off"}),
     ("prompt-longer-than-context", ["run", "{model}", "--context", "8", "-p", "hello there"],
      {}, "", "--prompt has 19 tokens, more than the context (8)",
