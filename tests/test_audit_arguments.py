@@ -5,26 +5,15 @@ corrected command as its control."""
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-import sys
 
 import pytest
 
-from ftchat.cli import main
+from tests.cli_harness import run_main as _main
 
 AUDIT = ["--slots", "20", "--prefetch", "on", "-n", "4", "--audit-every", "2", "--device",
          "cpu", "--json"]
-
-
-def _main(argv, capsys, monkeypatch, stdin: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _usage_error(code, out, err) -> str:

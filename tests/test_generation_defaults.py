@@ -6,27 +6,16 @@ it, `ftchat run` equals transformers' generate on the same folder, token for tok
 
 from __future__ import annotations
 
-import io
 import json
 import shutil
-import sys
 
 import pytest
 import torch
 
-from ftchat.cli import main
 from ftchat.errors import ModelError
-from ftchat.resolve import SHIPPED_DEMO
 from ftchat.generation_defaults import generation_defaults
-
-
-def _main(argv, capsys, monkeypatch, stdin: str = ""):
-    capsys.readouterr()
-    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin.encode())))
-    code = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return code, out, err
+from ftchat.resolve import SHIPPED_DEMO
+from tests.cli_harness import run_main as _main
 
 
 def _with_generation(src, dst, **keys):
