@@ -21,6 +21,14 @@
 #              streaming) and resident: benchmarks/profile_prefill.py [LENGTHS=32768 (a comma
 #              list: one process each), CHUNKS=8192, PREFILL_ARMS=offload,resident,
 #              PREFILL_S=540] -> prefill48_<tokens>.json
+#   families   each family preset at its real geometry (random weights, NVFP4 experts, bf16
+#              dense), [FAMILIES=qwen3.5-moe:5783,qwen3-moe:3467,qwen3-next:5573, each PRESET:SLOTS
+#              with SLOTS the 16 GiB plan's at 32K (`ftchat info --synthetic PRESET --vram 16
+#              --context 32k`)]: `ftchat bench --synthetic PRESET` resident and offloaded at SLOTS
+#              [FAMILY_ARMS='off;on;on:budget=4', CTX=4k; the resident arm in its own process:
+#              every expert and the offloaded arms' banks do not fit one card beside each other],
+#              then profile_prefill.py --preset PRESET [FAMILY_TOKENS=32768, CHUNKS=8192]
+#              -> family_<preset>_{resident,offload}.json, family_<preset>_prefill.json
 #   e2e48      one long prompt end to end at 48 layers under --vram-budget, as `ftchat run`
 #              runs it (the 16 GB configuration): benchmarks/e2e48.py [E2E_TOKENS=261000,
 #              BUDGET=15.9, E2E_CHUNK=3072, SLOTS=1650, E2E_S=540] -> e2e48.json
@@ -40,7 +48,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}
 W=/tmp/ftchat_device  # scratch: shard lists, per-process outputs (not returned)
-MODES="gpu-tests decode48 offload48 prefill48 e2e48 verify soak soak-wait"
+MODES="gpu-tests decode48 offload48 prefill48 families e2e48 verify soak soak-wait"
 FAILED=()
 PENDING=0
 
@@ -261,6 +269,31 @@ prefill48() {
   [ ${#outs[@]} -gt 0 ] && summarize prefill "${outs[@]}"
 }
 
+families() {
+  local item preset slots name layers
+  local list=${FAMILIES:-qwen3.5-moe:5783,qwen3-moe:3467,qwen3-next:5573}
+  for item in ${list//,/ }; do
+    preset=${item%%:*} slots=${item#*:}
+    name=family_${preset}
+    layers=$(python3 -c "from ftchat.vram.workloads import synthetic_inputs as s
+print(s('$preset', None, 'nvfp4-modelopt')[0].num_hidden_layers)") || layers=1
+    run_step "${name}_resident" "${DECODE_S:-300}" "$O/${name}_resident.json" \
+      "$O/${name}_resident.log" python3 -m ftchat.cli bench --synthetic "$preset" --json \
+      --arms resident --context "${CTX:-4k}" --steps "${STEPS:-16}" --rounds "${ROUNDS:-3}" \
+      && summarize bench "$O/${name}_resident.json" "$layers"
+    run_step "${name}_offload" "${DECODE_S:-300}" "$O/${name}_offload.json" \
+      "$O/${name}_offload.log" python3 -m ftchat.cli bench --synthetic "$preset" --json \
+      --arms "${FAMILY_ARMS:-off;on;on:budget=4}" --slots "$slots" --context "${CTX:-4k}" \
+      --steps "${STEPS:-16}" --rounds "${ROUNDS:-3}" \
+      && summarize bench "$O/${name}_offload.json" "$layers"
+    run_step "${name}_prefill" "${PREFILL_S:-300}" "$O/${name}_prefill.log" \
+      "$O/${name}_prefill.err" python3 benchmarks/profile_prefill.py --preset "$preset" \
+      --tokens "${FAMILY_TOKENS:-32768}" --chunk "${CHUNKS:-8192}" --slots "$slots" \
+      --arms offload,resident --no-profile --out "$O/${name}_prefill.json" \
+      && summarize prefill "$O/${name}_prefill.json"
+  done
+}
+
 e2e48() {
   local name=${NAME:-e2e48} t=${E2E_TOKENS:-261000}
   run_step "$name" "${E2E_S:-540}" "$O/$name.json" "$O/$name.log" \
@@ -385,6 +418,7 @@ for m in $mode_list; do
     offload48) bench48 decode48_offload "${ARMS:-resident;off;on;on:budget=4}" "${CTX:-32k,255k}" \
                  --slots "${SLOTS:-1650}" --routing "${ROUTING:-model}" ;;
     prefill48) prefill48 ;;
+    families) families ;;
     e2e48) e2e48 ;;
     verify) verify ;;
     soak) soak ;;

@@ -1,9 +1,13 @@
-"""Where a prefill chunk's time goes on the device (issue 17): a flash-next-geometry model built
-in memory (random weights, NVFP4 experts in pinned host memory), one prompt prefilled with
+"""Where a prefill chunk's time goes on the device: a model of a synthetic preset's geometry
+(flash-next by default; --preset names another, --layers overrides its depth) built in memory (random weights, NVFP4 experts in pinned host memory), one prompt prefilled with
 offloaded experts (the staging path, prefetch off) and with every expert resident, then one
 chunk under torch.profiler: wall time per chunk and layer, the copy bytes, the top kernels.
 
     python benchmarks/profile_prefill.py --layers 4 --tokens 32768 --chunk 8192 --at 24576
+    python benchmarks/profile_prefill.py --preset qwen3-next --dense bf16 --no-profile
+
+--no-profile keeps the timed prefill (tok/s, copy bytes) and skips the breakdown and the
+profiled chunk.
 
 --at T profiles the chunk that starts at position T (the first T tokens prefilled unprofiled
 first): the attention of a late chunk sees a long context.
@@ -103,23 +107,27 @@ def _breakdown(m, ex, ids: torch.Tensor, chunk: int, at: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--preset", default="flash-next")
+    ap.add_argument("--layers", type=int, default=None, help="the preset's when not given")
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--chunk", default="8192", help="comma-separated --prefill-chunk values")
     ap.add_argument("--slots", type=int, default=1650)
-    ap.add_argument("--dense", default="nvfp4")
+    ap.add_argument("--dense", default=None,
+                    help="nvfp4 (flash-next's default: its GDN qkv / z) or bf16 (the others')")
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--top", type=int, default=20)
     ap.add_argument("--at", type=int, default=0, help="position of the profiled chunk")
     ap.add_argument("--arms", default="offload,offload_nostream,resident")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     t = time.perf_counter()
-    m = synthetic_model("flash-next", args.layers, "nvfp4-modelopt", "cuda", torch.bfloat16,
-                        dense=args.dense)
-    res = {"layers": args.layers, "tokens": args.tokens, "build_s": round(time.perf_counter() - t, 1),
+    dense = args.dense or ("nvfp4" if args.preset == "flash-next" else "bf16")
+    m = synthetic_model(args.preset, args.layers, "nvfp4-modelopt", "cuda", torch.bfloat16,
+                        dense=dense)
+    L = m.args.num_hidden_layers
+    res = {"preset": args.preset, "layers": L, "tokens": args.tokens, "build_s": round(time.perf_counter() - t, 1),
            "row_bytes": m.layout.nbytes, "runs": {}}
     ids = torch.randint(0, 1000, (args.tokens,))
-    L = args.layers
     for chunk in (int(c) for c in args.chunk.split(",")):
         for arm in args.arms.split(","):
             ex = (resident_backend(m) if arm == "resident"
@@ -133,14 +141,16 @@ def main() -> None:
                    "copy_gb": round(gb, 2),  # host -> device bytes of the timed prefill
                    # the link alone at 52 GB/s (the H200's measured host-to-device rate)
                    "link_ms_per_chunk_layer": round(1e3 * gb / 52 / n_chunks / L, 2)}
-            row["breakdown_ms"] = _breakdown(m, ex, ids, chunk, args.at)
-            row.update(_profiled(m, ex, ids, chunk, args.top, args.at))
+            if args.profile:
+                row["breakdown_ms"] = _breakdown(m, ex, ids, chunk, args.at)
+                row.update(_profiled(m, ex, ids, chunk, args.top, args.at))
             res["runs"][f"{arm}_chunk{chunk}"] = row
             print(arm, chunk, {k: v for k, v in row.items() if not k.startswith("top")},
                   flush=True)
-            print("    breakdown", row["breakdown_ms"], flush=True)
-            for name, count, us in row["top_device_us"][:args.top]:
-                print(f"    {us / 1e3:9.2f} ms {count:6d}x  {name}", flush=True)
+            if args.profile:
+                print("    breakdown", row["breakdown_ms"], flush=True)
+                for name, count, us in row["top_device_us"][:args.top]:
+                    print(f"    {us / 1e3:9.2f} ms {count:6d}x  {name}", flush=True)
             ex.close()
             del ex
             torch.cuda.empty_cache()
