@@ -3,13 +3,13 @@
 N cold prompts (a random nonce prefix, so no cache is warm), each decoded greedily with prefetch
 off and on (fresh caches, same settings otherwise), compared token by token; the verifier and the
 slot audit watch the `on` arm. The audit byte-checks the whole cache every N decode steps and once
-more at the end of every prompt, so every prompt is audited however short. The hooked arms run
-eagerly (the debug records read Python-side step numbers).
+more at the end of every group of prompts, so every prompt is audited however short. The hooked
+arms run eagerly (the debug records read Python-side step numbers).
 
 The prompts are decoded in groups of G (`--batch`; auto: as many as the slots hold, at most
 AUTO_BATCH_CAP): each arm decodes a group as one batch of G rows (each row prefilled on its own,
-ragged lengths allowed) from a fresh backend, so a group starts cold as a single prompt did. The
-eager step is bound by Python overhead, so a group costs about what one prompt cost. The tokens
+ragged lengths allowed) from a fresh backend, so a group starts cold as a single prompt did (the
+eager step is bound by Python overhead, not by its rows: the point of a group). The tokens
 are compared row by row and the verdicts stay per prompt, but the verifier and the audit watch a
 backend, which a whole group shares: a group's records, audits and bad slots are carried by its
 first prompt's verdict (the others' are empty; `group` names the group of each). G = 1 is the
@@ -18,7 +18,9 @@ chat path (`ftchat run` decodes one row), prompt by prompt.
 verify --graph adds the production path the hooked arms cannot watch: every prompt decoded with
 prefetch off and on by the same loop `ftchat run` uses, the step replayed from a CUDA graph, no
 hooks, and its tokens compared with the eager arm of the same prefetch setting and with each
-other (prefetch on vs off in replay, which holds even where replay and eager decode part).
+other (prefetch on vs off in replay, which holds even where replay and eager decode part). Each
+graph arm is captured for G rows; a smaller last group gets a pair captured at its own size (the
+larger pair freed first), so every replayed batch is the batch its eager arms decoded.
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ class PromptVerdict:
     # graph arm (None: identical, or no graph arms): prefetch's losslessness on the replayed path,
     # whether or not replay itself matches eager decode
     graph_prefetch_first_mismatch: int | None = None
-    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each arm
+    # wall time of each arm: the prompt's share of its group's (divided evenly), so a mean over
+    # prompts is seconds per prompt at the run's batch
+    seconds: dict[str, float] = field(default_factory=dict)
     # the prompt's tokens: the eager arms size their KV cache to it, the graph arms to the
     # longest prompt of the run (a replay-vs-eager difference that follows it shows here)
     prompt_tokens: int = 0
