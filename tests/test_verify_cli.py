@@ -15,9 +15,11 @@ from ftchat.cli import app, main
 from ftchat.commands import bench_ui
 from ftchat.debug import verify_command
 from ftchat.debug.slot_audit import SlotAudit
+from ftchat.errors import FtchatError
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.offload.backend import OffloadExperts
 from ftchat.settings import Settings
+from ftchat.vram.workloads import checkpoint_inputs, verify_workload
 
 runner = CliRunner()
 
@@ -81,6 +83,25 @@ def test_a_ragged_group_decodes_each_row_as_it_decodes_alone(tiny_nvfp4, monkeyp
     alone = [[s.tokens[0] for s in engine.generate(m, [ids], 8, engine.resident_backend(m))]
              for ids in ragged]
     assert arms == [alone, alone]  # the off arm, then the on arm, one batch each
+
+
+def test_the_vram_plan_counts_a_groups_rows(tiny_nvfp4, monkeypatch):
+    # the plan is made before the weights load: the rows from --slots (20 // top-k 4 = 5, or
+    # 8 // 4 = 2), the cap when the slots are sized later, or --batch
+    seen = []
+
+    def spy(a, layout, settings, max_new, arms, batch):
+        seen.append(batch)
+        raise FtchatError("planned")
+
+    monkeypatch.setattr(verify_command, "verify_workload", spy)
+    for extra in (["--slots", "20"], ["--slots", "8"], [], ["--batch", "2"]):
+        res = runner.invoke(app, ["verify", str(tiny_nvfp4), "--prompts", "20", "--device",
+                                  "cpu", *extra])
+        assert str(res.exception) == "planned"
+    assert seen == [5, 2, verify_command.AUTO_BATCH_CAP, 2]
+    a, layout = checkpoint_inputs(tiny_nvfp4)
+    assert verify_workload(a, layout, Settings(device="cpu"), 8, 2, batch=4).decoders == (4,)
 
 
 def test_verify_progress_counts_prompts(tiny_nvfp4):
