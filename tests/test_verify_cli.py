@@ -154,6 +154,12 @@ def test_verify_catches_a_missing_join(tiny_nvfp4, monkeypatch, batch):
     assert out["verifier_records"] > 0
     if batch == "3":  # one group: its records are carried by its first prompt
         assert [bool(v["records"]) for v in out["per_prompt"]] == [True, False, False]
+        res = _verify(tiny_nvfp4, "--batch", batch, as_json=False)
+        assert res.exit_code == 1
+        lines = res.stdout.splitlines()
+        assert lines[-1].startswith("FAIL: "), res.stdout
+        assert any(line.startswith("prompt 0 (group 0): ") for line in lines), res.stdout
+        assert "(a group's records and bad slots are listed on its first prompt)" in lines
 
 
 def test_a_batch_the_slots_cannot_hold_is_a_usage_error(tiny_nvfp4, capsys, monkeypatch):

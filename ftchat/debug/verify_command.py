@@ -340,12 +340,15 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
             table.add_column(col.replace("_", " "))
         table.add_row(*["-" if v is None else str(v) for v in s.values()])
         Console(file=out).print(table)
-        for v in verdicts:
-            if v.first_mismatch is not None or v.records or v.bad_slots:
-                where = f" (group {v.group}: its records and bad slots)" if rows > 1 else ""
-                out.write(f"prompt {v.index}{where}: first mismatch {v.first_mismatch}, "
-                          f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
-                          f"first record {v.records[:1]}\n")
+        flagged = [v for v in verdicts
+                   if v.first_mismatch is not None or v.records or v.bad_slots]
+        for v in flagged:
+            where = f" (group {v.group})" if rows > 1 else ""
+            out.write(f"prompt {v.index}{where}: first mismatch {v.first_mismatch}, "
+                      f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
+                      f"first record {v.records[:1]}\n")
+        if flagged and rows > 1:
+            out.write("(a group's records and bad slots are listed on its first prompt)\n")
     why = failure(s)
     if not as_json:  # the verdict, last: one line a reader (or a script) looks for
         out.write(f"FAIL: {why}\n" if why else
