@@ -37,6 +37,7 @@
 #              4-layer flash-next checkpoint, written by `ftchat synth` first; or a folder),
 #              SEEDS=0 (e.g. 0-34 or 0,3,5), WORKERS=1, MPS=0 (1: an MPS daemon for the
 #              workers, stopped after), PROMPTS=6, TOKENS=256, SLOTS (demo 96, fn4 137),
+#              BATCH (prompts decoded together, verify --batch; empty: verify's auto),
 #              VERIFY_S=560 a process] -> verify_<model>.json (totals and every shard)
 #   soak       scripts/soak.py on the demo model, prefetch on, budget 4, 96 slots [MINUTES=15];
 #              one that cannot finish within the call starts detached, and `soak-wait`
@@ -155,6 +156,7 @@ elif kind == "verify":  # shard JSONs -> one file with totals; argv: out, tag, t
                 secs.setdefault(arm, []).append(t)
     total["mean_seconds_per_prompt"] = {a: round(sum(t) / len(t), 2) for a, t in secs.items()}
     total.update(shards=len(shards), prompt_seeds=sorted(s.get("prompt_seed") for s in shards),
+                 batch=sorted({s.get("batch") or 1 for s in shards}),  # rows decoded together
                  tree=tree, model=tag)
     if lost:
         total["lost_shards"] = lost
@@ -310,7 +312,7 @@ seeds_of() {  # "0-3,7" -> 0 1 2 3 7
 }
 
 verify() {
-  local tag=${MODEL:-demo} model=() slots seeds seed files=() mps=0
+  local tag=${MODEL:-demo} model=() slots seeds seed files=() mps=0 batch=()
   case $tag in
     demo) slots=${SLOTS:-96} ;;
     fn4)
@@ -326,6 +328,7 @@ verify() {
       slots=$SLOTS model=("$tag") tag=$(basename "$tag") ;;
   esac
   seeds=$(seeds_of "${SEEDS:-0}") || { FAILED+=(verify); return; }
+  [ -n "${BATCH:-}" ] && batch=(--batch "$BATCH")
   mkdir -p "$W/verify" && rm -f "$W/verify/${tag}"_*
   if [ "${MPS:-0}" = 1 ]; then
     export CUDA_MPS_PIPE_DIRECTORY=$W/mps_pipe CUDA_MPS_LOG_DIRECTORY=$W/mps_log
@@ -333,7 +336,7 @@ verify() {
     if nvidia-cuda-mps-control -d; then mps=1; echo "[verify] MPS on"
     else unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY; echo "[verify] MPS did not start"; fi
   fi
-  echo "[verify] $tag: seeds $(echo $seeds), ${WORKERS:-1} at once, ${PROMPTS:-6} prompts x ${TOKENS:-256} tokens, $slots slots"
+  echo "[verify] $tag: seeds $(echo $seeds), ${WORKERS:-1} at once, ${PROMPTS:-6} prompts x ${TOKENS:-256} tokens, $slots slots, batch ${BATCH:-auto}"
   for seed in $seeds; do
     while [ "$(jobs -rp | wc -l)" -ge "${WORKERS:-1}" ]; do wait -n; done
     files+=("$W/verify/${tag}_seed$seed.json")
@@ -341,7 +344,7 @@ verify() {
       t0=$SECONDS
       OMP_NUM_THREADS=2 timeout --kill-after=20 "${VERIFY_S:-560}" python3 -m ftchat.cli verify \
         "${model[@]}" --prompts "${PROMPTS:-6}" --max-new-tokens "${TOKENS:-256}" --budget 4 \
-        --audit-every 64 --slots "$slots" --graph --prompt-seed "$seed" --json \
+        --audit-every 64 --slots "$slots" --graph --prompt-seed "$seed" "${batch[@]}" --json \
         > "$W/verify/${tag}_seed$seed.json" 2> "$W/verify/${tag}_seed$seed.err"
       echo "seed $seed: exit $? in $((SECONDS - t0)) s" >> "$W/verify/${tag}_done.log"
     ) &

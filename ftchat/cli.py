@@ -346,6 +346,9 @@ def verify_cmd(
     prompt_seed: Annotated[int, typer.Option(
         "--prompt-seed", metavar="S", help="Seed of the prompts' random nonces: another seed, "
         "other cold prompts (a long run split over several calls)")] = 0,
+    batch: Annotated[int | None, typer.Option(
+        "--batch", metavar="N", help="Prompts each arm decodes together (default: as many as "
+        "the slots hold at top-k each, at most 16; 1: one at a time, as `run` chats)")] = None,
     context: Context = None, device: Device = None, dtype: Dtype = None,
     kv_cache_dtype: KvCacheDtype = None, threads: Threads = None, slots: Slots = None,
     expert_vram: ExpertVram = None, vram_budget: VramBudget = None,
@@ -365,15 +368,19 @@ def verify_cmd(
         kernels=kernels, pdl=pdl,
         graph=True if graph else None,  # settings.graph True: add the graph arms
     ), os.environ)
-    from ftchat.debug.verify_command import graph_refusal, run_verify
+    from ftchat.debug.verify_command import BatchTooLarge, graph_refusal, run_verify
     from ftchat.ui.run import apply_threads
 
     if graph and (why := graph_refusal(settings)):  # a usage error, before the model loads
         raise typer.BadParameter(why, param_hint="'--graph'")
     apply_threads(settings)
-    raise typer.Exit(run_verify(model, settings, os.environ, mode, prompts, max_new_tokens,
-                                audit_every, json, sys.stdout, sys.stderr,
-                                prompt_seed=prompt_seed))
+    try:
+        code = run_verify(model, settings, os.environ, mode, prompts, max_new_tokens,
+                          audit_every, json, sys.stdout, sys.stderr, prompt_seed=prompt_seed,
+                          batch=batch)
+    except BatchTooLarge as e:  # found once the model's top-k is known: still a usage error
+        raise typer.BadParameter(str(e), param_hint="'--batch'") from None
+    raise typer.Exit(code)
 
 
 @app.command("audit", cls=_Command)

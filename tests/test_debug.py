@@ -49,6 +49,12 @@ def test_clean_short_runs_report_nothing(clean, tiny_nvfp4):
         assert torch.equal(logits, reference(tiny_nvfp4, 1, 40)[1])
 
 
+def test_clean_batch_of_two_reports_nothing(tiny_nvfp4):
+    logits, records, audit = debug_run(tiny_nvfp4, 40, bs=2)
+    assert records == [] and audit.bad == [] and audit.audits >= 9
+    assert torch.equal(logits, reference(tiny_nvfp4, 2, 40)[1])
+
+
 def test_clean_run_of_1000_steps_reports_zero(tiny_bf16):
     _, records, audit = debug_run(tiny_bf16, 1001, mode="bytes", audit_every=64)
     assert records == [] and audit.bad == [] and audit.audits == 1000 // 64
@@ -98,6 +104,49 @@ def test_stale_map_entry_caught_by_meta(tiny_nvfp4):
 
     _, rec, _ = debug_run(tiny_nvfp4, 12, mode="meta", fault=_Once("before_kernel", 4, 1, stale))
     assert whats(rec) == {"slot maps disagree"}
+
+
+class _StaleSharedExpert(Hooks):
+    """At the first kernel where both rows of a batch of two route one expert, points that
+    expert's slot_of at another slot, or (row_1_only) row 1's slot for it (once)."""
+
+    hit = None  # (step, layer, global expert id)
+
+    def __init__(self, row_1_only: bool = False):
+        self.row_1_only = row_1_only
+
+    def before_kernel(self, b, p):
+        shared = set(p.ids[0].tolist()) & set(p.ids[1].tolist())
+        if self.hit is None and shared:
+            e = min(shared)
+            gid = e + p.layer * b.num_experts
+            if self.row_1_only:
+                k = p.ids[1].tolist().index(e)
+                p.slots[1, k] = (p.slots[1, k] + 1) % SLOTS
+            else:
+                b.maps.slot_of[gid] = (b.maps.slot_of[gid] + 1) % SLOTS
+            self.hit = (b.step, p.layer, gid)
+
+
+def test_a_stale_map_entry_two_rows_read_is_one_record(tiny_nvfp4):
+    # both rows read the expert through the same slot: one pair, one record (not one per row)
+    fault = _StaleSharedExpert()
+    _, rec, _ = debug_run(tiny_nvfp4, 12, mode="meta", fault=fault, bs=2)
+    assert fault.hit is not None, "the two rows never shared an expert"
+    step, layer, gid = fault.hit
+    there = [r for r in rec if (r["step"], r["layer"], r["expert"]) == (step, layer, gid)]
+    assert [r["what"] for r in there] == ["slot maps disagree"]
+
+
+def test_a_row_given_another_slot_for_a_shared_expert_is_recorded(tiny_nvfp4):
+    # row 0 reads the expert through its slot, row 1 through another: two pairs, and only the
+    # second is wrong (a check that kept one place per expert id would drop it)
+    fault = _StaleSharedExpert(row_1_only=True)
+    _, rec, _ = debug_run(tiny_nvfp4, 12, mode="meta", fault=fault, bs=2)
+    assert fault.hit is not None, "the two rows never shared an expert"
+    step, layer, gid = fault.hit
+    there = [r for r in rec if (r["step"], r["layer"], r["expert"]) == (step, layer, gid)]
+    assert [r["what"] for r in there] == ["slot maps disagree"]
 
 
 def test_write_during_the_expert_kernel_caught_by_bytes(tiny_nvfp4):

@@ -1,5 +1,6 @@
 """`ftchat verify` / `ftchat audit` / `ftchat bench` on the tiny model: clean runs exit 0; an
-injected fault (a missing join) makes verify exit 1."""
+injected fault (a missing join) makes verify exit 1, prompt by prompt (--batch 1) and with the
+prompts decoded in groups (--batch 2, 3: the tiny model routes top-4, so 20 slots hold 5 rows)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ from ftchat.cli import app, main
 from ftchat.commands import bench_ui
 from ftchat.debug import verify_command
 from ftchat.debug.slot_audit import SlotAudit
+from ftchat.errors import FtchatError
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.offload.backend import OffloadExperts
+from ftchat.settings import Settings
+from ftchat.vram.workloads import checkpoint_inputs, verify_workload
 
 runner = CliRunner()
 
@@ -26,20 +30,86 @@ def _verify(folder, *extra, as_json: bool = True):
                                *(["--json"] if as_json else []), *extra])
 
 
-def test_verify_clean_exits_zero(tiny_nvfp4):
-    res = _verify(tiny_nvfp4, "--mode", "bytes", "--audit-every", "4")
+@pytest.mark.parametrize("extra, batch", [((), 3), (("--batch", "1"), 1),
+                                          (("--batch", "2"), 2), (("--slots", "8"), 2)])
+def test_verify_clean_exits_zero(tiny_nvfp4, extra, batch):
+    # auto: every prompt in one group (20 slots hold 5 rows of top-4), or 8 // 4 = 2 rows
+    res = _verify(tiny_nvfp4, "--mode", "bytes", "--audit-every", "4", *extra)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["prompts"] == 3 and out["mismatches"] == 0 and out["verifier_records"] == 0
     assert out["audits"] > 0 and out["bad_slots"] == 0
+    assert out["batch"] == batch
+    groups = [v["group"] for v in out["per_prompt"]]
+    assert groups == {1: [0, 1, 2], 2: [0, 0, 1], 3: [0, 0, 0]}[batch]
 
 
-def test_verify_audits_every_prompt_even_a_short_one(tiny_nvfp4):
-    # 12 tokens never reach an audit interval of 64: the end-of-prompt audit still runs
-    res = _verify(tiny_nvfp4, "--audit-every", "64")
+@pytest.mark.parametrize("batch", ["2", "3"])
+def test_verify_batched_text_report_ends_with_pass(tiny_nvfp4, batch):
+    res = _verify(tiny_nvfp4, "--batch", batch, as_json=False)
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines()[-1] == ("PASS: prefetch on matched off over 3 prompts x 12 "
+                                           "tokens, no verifier record, no bad slot")
+
+
+@pytest.mark.parametrize("batch, audits", [("1", [1, 1, 1]), ("2", [1, 0, 1]),
+                                           ("3", [1, 0, 0])])
+def test_verify_audits_every_prompt_even_a_short_one(tiny_nvfp4, batch, audits):
+    # 12 tokens never reach an audit interval of 64: the end-of-group audit still runs, once a
+    # group (its count is carried by the group's first prompt)
+    res = _verify(tiny_nvfp4, "--audit-every", "64", "--batch", batch)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["audits"] == 3 and [v["audits"] for v in out["per_prompt"]] == [1, 1, 1]
+    assert out["audits"] == sum(audits) and [v["audits"] for v in out["per_prompt"]] == audits
+
+
+def test_a_ragged_group_decodes_each_row_as_it_decodes_alone(tiny_nvfp4, monkeypatch):
+    # prompts of 3, 9 and 5 tokens in one group of 3: each row's tokens, in both eager arms, are
+    # those the prompt gets decoded alone on the all-resident backend
+    m = engine.load_model(tiny_nvfp4)
+    ragged = [[3, 17, 99], [9, 120, 44, 2, 300, 7, 7, 12, 400], [250, 31, 5, 66, 81]]
+    texts = verify_command.cold_prompts(3, 0)
+    arms = []
+    real = verify_command._greedy
+    monkeypatch.setattr(verify_command, "_greedy", lambda *a: arms.append(real(*a)) or arms[-1])
+    done = []
+    verdicts = verify_command.verify_prompts(
+        m, lambda text: ragged[texts.index(text)], Settings(slots=20, prefetch="on"), 3, 8,
+        "bytes", audit_every=4, batch=3, progress=lambda i, n: done.append((i, n)))
+    assert [v.prompt_tokens for v in verdicts] == [3, 9, 5]
+    assert [v.tokens for v in verdicts] == [8] * 3
+    assert [v.first_mismatch for v in verdicts] == [None] * 3 and verdicts[0].records == []
+    assert [v.group for v in verdicts] == [0, 0, 0] and done == [(3, 3)]
+    alone = [[s.tokens[0] for s in engine.generate(m, [ids], 8, engine.resident_backend(m))]
+             for ids in ragged]
+    assert arms == [alone, alone]  # the off arm, then the on arm, one batch each
+
+
+def test_the_vram_plan_counts_a_groups_rows(tiny_nvfp4, monkeypatch):
+    # the plan is made before the weights load: the rows from --slots (20 // top-k 4 = 5, or
+    # 8 // 4 = 2), the cap when the slots are sized later, or --batch
+    seen = []
+
+    def spy(a, layout, settings, max_new, arms, batch):
+        seen.append(batch)
+        raise FtchatError("planned")
+
+    monkeypatch.setattr(verify_command, "verify_workload", spy)
+    for extra in (["--slots", "20"], ["--slots", "8"], [], ["--batch", "2"]):
+        res = runner.invoke(app, ["verify", str(tiny_nvfp4), "--prompts", "20", "--device",
+                                  "cpu", *extra])
+        assert str(res.exception) == "planned"
+    assert seen == [5, 2, verify_command.AUTO_BATCH_CAP, 2]
+    a, layout = checkpoint_inputs(tiny_nvfp4)
+    assert verify_workload(a, layout, Settings(device="cpu"), 8, 2, batch=4).decoders == (4,)
+
+
+def test_verify_progress_counts_prompts(tiny_nvfp4):
+    m = engine.load_model(tiny_nvfp4)
+    done = []
+    verify_command.verify_prompts(m, lambda text: [3, 17, 99, 4], Settings(slots=20), 5, 2,
+                                  "meta", batch=2, progress=lambda i, n: done.append((i, n)))
+    assert done == [(2, 5), (4, 5), (5, 5)]
 
 
 def test_verify_reports_each_prompts_length(tiny_nvfp4):
@@ -74,12 +144,48 @@ def test_verify_that_audited_nothing_fails(tiny_nvfp4, monkeypatch):
     assert res.stderr.strip().splitlines() == ["error: no slot audit ran"]
 
 
-def test_verify_catches_a_missing_join(tiny_nvfp4, monkeypatch):
+@pytest.mark.parametrize("batch", ["1", "3"])
+def test_verify_catches_a_missing_join(tiny_nvfp4, monkeypatch, batch):
+    # negative control: test_verify_clean_exits_zero, the same run with the join in place
     monkeypatch.setattr(OffloadExperts, "_join", lambda self, layer: None)
-    res = _verify(tiny_nvfp4)
+    res = _verify(tiny_nvfp4, "--batch", batch)
     assert res.exit_code == 1
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["verifier_records"] > 0
+    if batch == "3":  # one group: its records are carried by its first prompt
+        assert [bool(v["records"]) for v in out["per_prompt"]] == [True, False, False]
+        res = _verify(tiny_nvfp4, "--batch", batch, as_json=False)
+        assert res.exit_code == 1
+        lines = res.stdout.splitlines()
+        assert lines[-1].startswith("FAIL: "), res.stdout
+        assert any(line.startswith("prompt 0 (group 0): ") for line in lines), res.stdout
+        assert "(a group's records and bad slots are listed on its first prompt)" in lines
+
+
+def test_a_batch_the_slots_cannot_hold_is_a_usage_error(tiny_nvfp4, capsys, monkeypatch):
+    monkeypatch.delenv("FTCHAT_DEBUG", raising=False)
+
+    def no_load(*a, **k):
+        raise AssertionError("the weights loaded")
+
+    with monkeypatch.context() as mp:  # --slots given: refused before the weights load
+        mp.setattr("ftchat.commands.load.load_model", no_load)
+        assert main(["verify", str(tiny_nvfp4), "--prompts", "6", "--batch", "6", "--slots",
+                     "20", "--device", "cpu"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "error: Invalid value for '--batch': --batch 6: 6 prompts decoded together need 24 "
+        "expert slots (6 x top-k 4), more than the 20 the run has; give --batch 5 or less, or "
+        "--slots 24 or more"]
+    # no --slots: every expert (6 layers x 16 = 96 slots) on the CPU, known once loaded
+    assert main(["verify", str(tiny_nvfp4), "--prompts", "25", "--batch", "25", "-n", "1",
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "need 100 expert slots" in err[0] and "the 96 the run" in err[0]
+    # control: the largest group that fits runs
+    assert main(["verify", str(tiny_nvfp4), "--prompts", "5", "--batch", "5", "-n", "2",
+                 "--slots", "20", "--device", "cpu", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[-1])["batch"] == 5
 
 
 def test_audit_and_bench_commands(tiny_bf16):
@@ -151,26 +257,35 @@ def _corrupt_after_the_last_step(monkeypatch, last_step: int, final_audit: bool 
     monkeypatch.setattr(SlotAudit, "audit", periodic_only)
 
 
+# per batch: (the audit's finding, audits per prompt, bad-slot steps per prompt)
+FINAL_AUDIT = {"1": ("3 bad slots", [3, 3, 3], [[11]] * 3),
+               "3": ("1 bad slots", [3, 0, 0], [[11], [], []])}
+
+
+@pytest.mark.parametrize("batch", ["1", "3"])
 def test_final_audit_catches_a_slot_corrupted_after_the_last_periodic_audit(tiny_nvfp4,
-                                                                            monkeypatch):
+                                                                            monkeypatch, batch):
     # 12 tokens = 11 decode steps; audits every 4 run at steps 4 and 8, the corruption at 11
+    found, audits, steps = FINAL_AUDIT[batch]
     _corrupt_after_the_last_step(monkeypatch, last_step=11)
-    res = _verify(tiny_nvfp4, "--audit-every", "4")
+    res = _verify(tiny_nvfp4, "--audit-every", "4", "--batch", batch)
     assert res.exit_code == 1
-    assert res.stderr.strip().splitlines() == ["error: the slot audit found 3 bad slots"]
+    assert res.stderr.strip().splitlines() == [f"error: the slot audit found {found}"]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert [v["audits"] for v in out["per_prompt"]] == [3, 3, 3]
-    assert [[b["step"] for b in v["bad_slots"]] for v in out["per_prompt"]] == [[11]] * 3
+    assert [v["audits"] for v in out["per_prompt"]] == audits
+    assert [[b["step"] for b in v["bad_slots"]] for v in out["per_prompt"]] == steps
     assert out["mismatches"] == 0  # nothing read the slot again: only the audit can see it
 
 
-def test_without_the_final_audit_that_corruption_goes_unseen(tiny_nvfp4, monkeypatch):
+@pytest.mark.parametrize("batch, audits", [("1", 6), ("3", 2)])
+def test_without_the_final_audit_that_corruption_goes_unseen(tiny_nvfp4, monkeypatch, batch,
+                                                             audits):
     # negative control: the same corruption, only the periodic audits run
     _corrupt_after_the_last_step(monkeypatch, last_step=11, final_audit=False)
-    res = _verify(tiny_nvfp4, "--audit-every", "4")
+    res = _verify(tiny_nvfp4, "--audit-every", "4", "--batch", batch)
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["audits"] == 6 and out["bad_slots"] == 0
+    assert out["audits"] == audits and out["bad_slots"] == 0
 
 
 # ===== verify --graph: graph replay, prefetch off and on, against the eager arms =====
@@ -246,7 +361,7 @@ def test_verify_graph_compares_hook_free_replay_with_the_eager_arms(tiny_nvfp4, 
         return real(m, settings, hooks)
 
     monkeypatch.setattr(verify_command, "build_experts", spy)
-    res = _verify(tiny_nvfp4, "--graph")
+    res = _verify(tiny_nvfp4, "--graph", "--batch", "1")
     assert res.exit_code == 0, res.output
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["mismatches"] == 0 and out["graph_mismatches"] == 0
@@ -265,7 +380,7 @@ def test_verify_graph_mismatch_fails_and_is_reported(tiny_nvfp4, eager_replay, m
             logits[0, logits[0].argmax()] = float("-inf")
 
     eager_replay.fault = wrong_token_at_step_5
-    res = _verify(tiny_nvfp4, "--graph")
+    res = _verify(tiny_nvfp4, "--graph", "--batch", "1")
     assert res.exit_code == 1
     assert res.stderr.strip().splitlines() == [
         "error: 3 of 3 prompts differ between CUDA-graph replay and eager decode"]
@@ -277,7 +392,7 @@ def test_verify_graph_mismatch_fails_and_is_reported(tiny_nvfp4, eager_replay, m
     assert out["graph_prefetch_mismatches"] == 0
     assert [v["graph_prefetch_first_mismatch"] for v in out["per_prompt"]] == [None] * 3
     monkeypatch.setenv("COLUMNS", "200")  # the table, wide enough for every column name
-    res = _verify(tiny_nvfp4, "--graph", as_json=False)
+    res = _verify(tiny_nvfp4, "--graph", "--batch", "1", as_json=False)
     assert "graph mismatches" in res.stdout and "graph first mismatch" in res.stdout, res.stdout
     assert res.exit_code == 1
 
@@ -289,7 +404,7 @@ def test_verify_graph_on_differing_from_graph_off_fails(tiny_nvfp4, eager_replay
             logits[0, logits[0].argmax()] = float("-inf")
 
     eager_replay.fault = wrong_on_token_at_step_7
-    res = _verify(tiny_nvfp4, "--graph")
+    res = _verify(tiny_nvfp4, "--graph", "--batch", "1")
     assert res.exit_code == 1
     assert res.stderr.strip().splitlines() == [
         "error: 3 of 3 prompts differ with prefetch on in CUDA-graph replay"]
@@ -297,3 +412,43 @@ def test_verify_graph_on_differing_from_graph_off_fails(tiny_nvfp4, eager_replay
     assert out["graph_prefetch_mismatches"] == 3
     assert [v["graph_prefetch_first_mismatch"] for v in out["per_prompt"]] == [7] * 3
     assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": None, "on": 7}] * 3
+
+
+def test_verify_graph_in_groups_captures_each_group_size(tiny_nvfp4, eager_replay, monkeypatch):
+    """--batch 2 over 3 prompts: a pair captured at 2 rows for the first group, then a pair at
+    1 row for the last (the same batch as its eager arms)."""
+    built = []
+    real = verify_command.build_experts
+
+    def spy(m, settings, hooks=None):
+        built.append((settings.prefetch, hooks is None, settings.batch_size))
+        return real(m, settings, hooks)
+
+    monkeypatch.setattr(verify_command, "build_experts", spy)
+    res = _verify(tiny_nvfp4, "--graph", "--batch", "2")
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["mismatches"] == 0 and out["graph_mismatches"] == 0 and out["batch"] == 2
+    assert out["graph_prefetch_mismatches"] == 0
+    assert [g.tokens.shape[0] for g in eager_replay.built] == [2, 2, 1, 1]
+    assert [g.calls for g in eager_replay.built] == [11, 11, 11, 11]
+    graph, eager = [("off", True, 2), ("on", True, 2)], [("off", True, 2), ("on", False, 2)]
+    assert built == graph + eager + graph + eager  # every backend checked for 2 rows
+
+
+def test_verify_graph_in_groups_attributes_a_mismatch_to_its_row(tiny_nvfp4, eager_replay):
+    """A replay fault in row 1 only (the second prompt of the first group of 2): that prompt,
+    and only it, differs from eager decode."""
+    def wrong_row_1_token_at_step_5(arm, call, logits):
+        if logits.shape[0] > 1 and call == 5:
+            logits[1, logits[1].argmax()] = float("-inf")
+
+    eager_replay.fault = wrong_row_1_token_at_step_5
+    res = _verify(tiny_nvfp4, "--graph", "--batch", "2")
+    assert res.exit_code == 1
+    assert res.stderr.strip().splitlines() == [
+        "error: 1 of 3 prompts differ between CUDA-graph replay and eager decode"]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [
+        {"off": None, "on": None}, {"off": 5, "on": 5}, {"off": None, "on": None}]
+    assert out["mismatches"] == 0 and out["graph_prefetch_mismatches"] == 0

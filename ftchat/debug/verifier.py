@@ -5,12 +5,15 @@ meta:  before each routed expert kernel, every routed id's maps agree (slot_of -
        its completion on the device from its own stream, so a read that was not ordered after the
        copy sees a stale stamp.
 bytes: also compares each routed slot's bytes with the host row before and after the kernel.
-Violations are recorded on the device (step, layer, expert id, slot, what), never fixed.
+Violations are recorded on the device (step, layer, expert id, slot, what), never fixed. In a
+batch, rows that route to one expert through one slot make one pair: a violation there is
+recorded once, not once per row (the checks see the batch's pairs flattened, any number of rows).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ftchat.debug.record_buffer import RecordBuffer
 from ftchat.offload.hooks import BackendView, Hooks
@@ -45,10 +48,9 @@ class Verifier(Hooks):
     def before_kernel(self, v: BackendView, p) -> None:
         if p.bank is not v.bank:  # prefill reads the host rows: nothing to check
             return
-        gid = p.ids.flatten() + p.layer * v.num_experts  # [T*K] global expert ids
-        slot = p.slots.flatten().long()
+        gid, slot, first = _routed(v, p)
         bad = (v.maps.slot_of[gid].long() != slot) | (v.maps.id_of[slot].long() != gid)
-        self.records.add(bad, v.step, p.layer, gid, slot, MAP_MISMATCH)
+        self.records.add(_once(bad, first), v.step, p.layer, gid, slot, MAP_MISMATCH)
         pending = None  # [T*K] the slot is a target of a copy the kernel must not overlap
         for (kind, layer), (dst, step) in self.issued.items():
             if layer < p.layer or step != v.step:
@@ -59,7 +61,7 @@ class Verifier(Hooks):
             # copies for later layers must not touch it at all
             pending = targets if pending is None else pending | targets
         if pending is not None:
-            self.records.add(pending, v.step, p.layer, gid, slot, PENDING_COPY)
+            self.records.add(_once(pending, first), v.step, p.layer, gid, slot, PENDING_COPY)
         if self.mode == "bytes":
             self._bytes(v, p, BYTES_BEFORE)
 
@@ -68,13 +70,30 @@ class Verifier(Hooks):
             self._bytes(v, p, BYTES_AFTER)
 
     def _bytes(self, v: BackendView, p, what: int) -> None:
-        gid = p.ids.flatten() + p.layer * v.num_experts
-        slot = p.slots.flatten().long()
+        gid, slot, first = _routed(v, p)
         host = v.host_rows[gid.to(v.host_rows.device)].to(v.bank.device, non_blocking=True)
-        self.records.add((v.bank[slot] != host).any(-1), v.step, p.layer, gid, slot, what)
+        self.records.add(_once((v.bank[slot] != host).any(-1), first), v.step, p.layer, gid,
+                         slot, what)
 
     def report(self) -> list[dict]:
         return [{**r, "what": WHAT[r["what"]]} for r in self.records.read()]
 
     def figures(self) -> dict[str, int]:
         return {"verify_records": len(self.report())}
+
+
+def _routed(v: BackendView, p) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The kernel's routed pairs flattened: global expert ids [T*K], their slots [T*K], and
+    where T > 1 a mask [T*K] of each (id, slot) pair's first place (rows that share an expert
+    repeat it; a row given another slot for it is a pair of its own); None for one token, whose
+    top-k ids are distinct."""
+    gid = p.ids.flatten() + p.layer * v.num_experts
+    slot = p.slots.flatten().long()
+    if p.ids.shape[0] == 1:
+        return gid, slot, None
+    same = (gid[:, None] == gid[None]) & (slot[:, None] == slot[None])  # [T*K, T*K]
+    return gid, slot, ~same.tril(-1).any(1)  # no earlier place holds the same pair
+
+
+def _once(bad: Tensor, first: Tensor | None) -> Tensor:
+    return bad if first is None else bad & first

@@ -3,22 +3,35 @@
 N cold prompts (a random nonce prefix, so no cache is warm), each decoded greedily with prefetch
 off and on (fresh caches, same settings otherwise), compared token by token; the verifier and the
 slot audit watch the `on` arm. The audit byte-checks the whole cache every N decode steps and once
-more at the end of every prompt, so every prompt is audited however short. The hooked arms run
-eagerly (the debug records read Python-side step numbers).
+more at the end of every group of prompts, so every prompt is audited however short. The hooked
+arms run eagerly (the debug records read Python-side step numbers).
+
+The prompts are decoded in groups of G (`--batch`; auto: as many as the slots hold, at most
+AUTO_BATCH_CAP): each arm decodes a group as one batch of G rows (each row prefilled on its own,
+ragged lengths allowed) from a fresh backend, so a group starts cold as a single prompt did (the
+eager step is bound by Python overhead, not by its rows: the point of a group). The tokens
+are compared row by row and the verdicts stay per prompt, but the verifier and the audit watch a
+backend, which a whole group shares: a group's records, audits and bad slots are carried by its
+first prompt's verdict (the others' are empty; `group` names the group of each). G = 1 is the
+chat path (`ftchat run` decodes one row), prompt by prompt.
 
 verify --graph adds the production path the hooked arms cannot watch: every prompt decoded with
 prefetch off and on by the same loop `ftchat run` uses, the step replayed from a CUDA graph, no
 hooks, and its tokens compared with the eager arm of the same prefetch setting and with each
-other (prefetch on vs off in replay, which holds even where replay and eager decode part).
+other (prefetch on vs off in replay, which holds even where replay and eager decode part). Each
+graph arm is captured for G rows; a smaller last group gets a pair captured at its own size (the
+larger pair freed first), so every replayed batch is the batch its eager arms decoded.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -35,10 +48,11 @@ from ftchat.errors import FtchatError
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
 from ftchat.ui.progress import progress_bar
-from ftchat.vram.workloads import verify_workload
+from ftchat.vram.workloads import given_slots, verify_workload
 
 
 GRAPH_DEVICES = ("cuda",)  # where DecodeGraph can capture a step: CUDA graphs have no CPU twin
+AUTO_BATCH_CAP = 16  # the most prompts a group takes when --batch is not given
 
 QUESTIONS = (
     "Write a Python function that merges two sorted lists.",
@@ -60,6 +74,28 @@ def cold_prompts(n: int, seed: int) -> list[str]:
             for i in range(n)]
 
 
+class BatchTooLarge(FtchatError):
+    """--batch N needs more expert slots than the run has: a usage error (the CLI exits 2)."""
+
+
+def group_size(batch: int | None, prompts: int, slots: int | None, top_k: int) -> int:
+    """Prompts decoded together: --batch N (at most the prompts), or auto (None): as many as the
+    slots hold (every row's top-k experts are resident at once, as engine.num_slots requires),
+    at most AUTO_BATCH_CAP. slots None: not known yet (sized at load), so not checked; auto then
+    assumes the cap."""
+    if batch is None:
+        fit = AUTO_BATCH_CAP if slots is None else slots // top_k
+        return max(1, min(prompts, fit, AUTO_BATCH_CAP))
+    g = min(batch, prompts)
+    if slots is not None and g * top_k > slots:
+        need = g * top_k
+        fits = f"give --batch {slots // top_k} or less, or " if slots >= top_k else "give "
+        raise BatchTooLarge(f"--batch {batch}: {g} prompts decoded together need {need} expert "
+                            f"slots ({g} x top-k {top_k}), more than the {slots} the run has; "
+                            f"{fits}--slots {need} or more")
+    return g
+
+
 @dataclass
 class PromptVerdict:
     index: int
@@ -75,15 +111,28 @@ class PromptVerdict:
     # graph arm (None: identical, or no graph arms): prefetch's losslessness on the replayed path,
     # whether or not replay itself matches eager decode
     graph_prefetch_first_mismatch: int | None = None
-    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each arm
+    # wall time of each arm: the prompt's share of its group's (divided evenly), so a mean over
+    # prompts is seconds per prompt at the run's batch
+    seconds: dict[str, float] = field(default_factory=dict)
     # the prompt's tokens: the eager arms size their KV cache to it, the graph arms to the
     # longest prompt of the run (a replay-vs-eager difference that follows it shows here)
     prompt_tokens: int = 0
+    group: int = 0  # the group the prompt was decoded in (its first prompt carries its findings)
 
 
-def _greedy(m: LoadedModel, ids: list[int], max_new: int, ex, settings: Settings) -> list[int]:
-    return [s.tokens[0] for s in generate(m, [ids], max_new, ex,
-                                          kv_dtype=settings.kv_torch_dtype())]
+def _greedy(m: LoadedModel, prompts: list[list[int]], max_new: int, ex,
+            settings: Settings) -> list[list[int]]:
+    """The tokens of each row of one batch, decoded eagerly from the backend ex."""
+    steps = generate(m, prompts, max_new, ex, kv_dtype=settings.kv_torch_dtype())
+    return _rows(steps, len(prompts))
+
+
+def _rows(steps, batch: int) -> list[list[int]]:
+    rows: list[list[int]] = [[] for _ in range(batch)]
+    for s in steps:
+        for row, t in zip(rows, s.tokens, strict=True):
+            row.append(t)
+    return rows
 
 
 def graph_refusal(settings: Settings) -> str | None:
@@ -103,23 +152,26 @@ def graph_refusal(settings: Settings) -> str | None:
 
 class GraphArm:
     """One prefetch setting decoded as `ftchat run` decodes: no hooks, the step replayed from a
-    CUDA graph captured once and reused for every prompt (state and cache emptied in place
-    between prompts, as a session reuses its decoder), through `engine.decode`."""
+    CUDA graph captured once for `batch` rows and reused for every group of that size (state and
+    cache emptied in place between groups, as a session reuses its decoder), through
+    `engine.decode`."""
 
-    def __init__(self, m: LoadedModel, settings: Settings, max_len: int):
-        self.dec = Decoder(m, build_experts(m, settings), 1, max_len, graph=True,
+    def __init__(self, m: LoadedModel, settings: Settings, max_len: int, batch: int = 1):
+        self.batch = batch
+        self.dec = Decoder(m, build_experts(m, settings), batch, max_len, graph=True,
                            kv_dtype=settings.kv_torch_dtype())
         if self.dec.graph is None:  # Decoder falls back to eager: that would not be graph replay
             raise FtchatError("--graph: this model's decode step cannot be captured in a CUDA "
                               "graph (its n-gram table is read from host files each step)")
 
-    def __call__(self, ids: list[int], max_new: int) -> list[int]:
+    def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         self.dec.reset()  # a cold cache, as the eager arms' fresh backends
-        return [s.tokens[0] for s in decode(self.dec, [ids], [0], [max_new])]
+        B = len(prompts)
+        return _rows(decode(self.dec, prompts, [0] * B, [max_new] * B), B)
 
 
 class _ArmClock:
-    """Wall seconds of each arm of one prompt (each arm ends in a host read of its tokens, so
+    """Wall seconds of each arm of one group (each arm ends in a host read of its tokens, so
     its device work is done when the block ends)."""
 
     def __init__(self):
@@ -139,11 +191,16 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
 
 def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings: Settings,
                    n: int, max_new: int, mode: str, audit_every: int = 64, seed: int = 0,
-                   progress: Callable[[int, int], None] | None = None) -> list[PromptVerdict]:
-    """Prefetch off vs on over n cold prompts; returns one verdict per prompt. An explicit
-    settings.graph (`verify --graph`) adds the graph arms (GraphArm), prefetch off and on."""
+                   progress: Callable[[int, int], None] | None = None,
+                   batch: int | None = None) -> list[PromptVerdict]:
+    """Prefetch off vs on over n cold prompts, decoded in groups of `batch` (None: auto,
+    `group_size`); returns one verdict per prompt. An explicit settings.graph (`verify
+    --graph`) adds the graph arms (GraphArm), prefetch off and on. `progress(done, n)` counts
+    prompts, after each group."""
     a = m.args
     base = dataclasses.replace(settings, verify=None, audit_every=0, batch_size=1)
+    G = group_size(batch, n, num_slots(m, base), a.num_experts_per_tok)
+    base = dataclasses.replace(base, batch_size=G)  # the backends check their slots for G rows
     off_settings = dataclasses.replace(base, prefetch="off")
     on_settings = base if base.prefetch == "on" else dataclasses.replace(base, prefetch="on")
     S = num_slots(m, on_settings)
@@ -153,40 +210,58 @@ def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings:
         raise FtchatError(f"--max-new-tokens {max_new}: with prompts of up to {longest} tokens "
                           f"it exceeds the model's {a.max_position_embeddings} positions; give "
                           f"{max(a.max_position_embeddings - longest - 1, 1)} or less")
+    groups = [list(range(i, min(i + G, n))) for i in range(0, n, G)]
     graphs = None
     if settings.graph is True:
         if m.device.type not in GRAPH_DEVICES:
             raise FtchatError(f"--graph: no CUDA graphs on {m.device.type}")
         # the KV capacity a run would give (--context), at least what the eager arms use
         max_len = max(settings.context or 0, max(map(len, prompts)) + max_new + 1)
-        graphs = {"off": GraphArm(m, off_settings, max_len),
-                  "on": GraphArm(m, on_settings, max_len)}
+
+        def capture(rows: int) -> dict[str, GraphArm]:
+            return {"off": GraphArm(m, off_settings, max_len, rows),
+                    "on": GraphArm(m, on_settings, max_len, rows)}
+        graphs = capture(G)
     verdicts = []
-    for i, ids in enumerate(prompts):
+    for g, rows in enumerate(groups):
+        group = [prompts[i] for i in rows]
+        if graphs is not None and graphs["off"].batch != len(group):
+            # the last group is smaller: capture at its size (the same batch as its eager arms,
+            # so the same kernels), after the larger pair's slot banks are freed
+            graphs = None
+            gc.collect()  # a backend and its view refer to each other: free the banks now
+            graphs = capture(len(group))
         clock = _ArmClock()
         with clock("off"):
-            off = _greedy(m, ids, max_new, build_experts(m, off_settings), off_settings)
+            off = _greedy(m, group, max_new, build_experts(m, off_settings), off_settings)
         verifier = Verifier(mode, a.num_hidden_layers, m.device)
         audit = SlotAudit(audit_every, S, m.device)
         with clock("on"):
             ex = build_experts(m, on_settings, hooks=HookChain([verifier, audit]))
-            on = _greedy(m, ids, max_new, ex, on_settings)
-            audit.audit(BackendView(ex))  # the cache as the prompt left it
-        first = next((j for j, (x, y) in enumerate(zip(off, on)) if x != y), None)
-        graph_first = graph_prefetch = None
+            on = _greedy(m, group, max_new, ex, on_settings)
+            audit.audit(BackendView(ex))  # the cache as the group left it
+        replayed = {}
         if graphs is not None:
-            replayed = {}
             for name in ("off", "on"):
                 with clock(f"graph_{name}"):
-                    replayed[name] = graphs[name](ids, max_new)
-            graph_first = {"off": _first_diff(off, replayed["off"]),
-                           "on": _first_diff(on, replayed["on"])}
-            graph_prefetch = _first_diff(replayed["off"], replayed["on"])
-        verdicts.append(PromptVerdict(i, len(on), first, verifier.report(), audit.audits,
-                                      audit.bad, graph_first, graph_prefetch, clock.seconds,
-                                      len(ids)))
+                    replayed[name] = graphs[name](group, max_new)
+        # each prompt's share of the group's wall time: the mean stays seconds per prompt
+        share = {arm: round(t / len(group), 3) for arm, t in clock.seconds.items()}
+        records = verifier.report()
+        for r, i in enumerate(rows):
+            first = next((j for j, (x, y) in enumerate(zip(off[r], on[r])) if x != y), None)
+            graph_first = graph_prefetch = None
+            if replayed:
+                graph_first = {"off": _first_diff(off[r], replayed["off"][r]),
+                               "on": _first_diff(on[r], replayed["on"][r])}
+                graph_prefetch = _first_diff(replayed["off"][r], replayed["on"][r])
+            lead = r == 0  # the group's watchers' findings go to its first prompt
+            verdicts.append(PromptVerdict(i, len(on[r]), first, records if lead else [],
+                                          audit.audits if lead else 0,
+                                          audit.bad if lead else [], graph_first,
+                                          graph_prefetch, dict(share), len(group[r]), g))
         if progress:
-            progress(i + 1, n)
+            progress(len(verdicts), n)
     return verdicts
 
 
@@ -229,16 +304,22 @@ def failure(s: dict) -> str | None:
 
 def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mode: str,
                prompts: int, max_new: int, audit_every: int, as_json: bool, out: TextIO,
-               err: TextIO, prompt_seed: int = 0) -> int:
+               err: TextIO, prompt_seed: int = 0, batch: int | None = None) -> int:
     """`ftchat verify`: load, check prefetch on vs off over cold prompts (nonces seeded by
-    prompt_seed) with the verifier and audit on the `on` arm, print the verdict; the exit code."""
+    prompt_seed, decoded `batch` at a time; None: auto) with the verifier and audit on the `on`
+    arm, print the verdict; the exit code. A --batch the slots cannot hold raises
+    BatchTooLarge, before the weights load where --slots or --expert-vram gives the count."""
     if mode not in ("meta", "bytes"):
         raise FtchatError(f"--mode {mode!r}: expected meta or bytes")
-    if prompts < 1 or max_new < 1 or audit_every < 1:
-        raise FtchatError("--prompts, --max-new-tokens and --audit-every must be >= 1")
+    if prompts < 1 or max_new < 1 or audit_every < 1 or (batch is not None and batch < 1):
+        raise FtchatError("--prompts, --max-new-tokens, --audit-every and --batch must be >= 1")
     arms = 4 if settings.graph is True else 2  # verify --graph keeps two more backends
-    m, tok, plan = load_checked(model, settings, env, err, lambda a, layout: verify_workload(
-        a, layout, settings, max_new, arms))
+
+    def workload(a, layout):
+        rows = group_size(batch, prompts, given_slots(settings, layout), a.num_experts_per_tok)
+        return verify_workload(a, layout, settings, max_new, arms, rows)
+
+    m, tok, plan = load_checked(model, settings, env, err, workload)
     settings = pin_planned_slots(settings, plan)
 
     def encode(text: str) -> list[int]:
@@ -246,10 +327,12 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
 
     with progress_bar(err, "verifying") as bar:
         verdicts = verify_prompts(m, encode, settings, prompts, max_new, mode, audit_every,
-                                  seed=prompt_seed, progress=lambda i, n: bar("prompts", i, n))
+                                  seed=prompt_seed, progress=lambda i, n: bar("prompts", i, n),
+                                  batch=batch)
     s = summary(verdicts)
+    rows = max(Counter(v.group for v in verdicts).values())  # the group size the run took
     if as_json:
-        out.write(json.dumps({**s, "prompt_seed": prompt_seed,
+        out.write(json.dumps({**s, "prompt_seed": prompt_seed, "batch": rows,
                               "per_prompt": [vars(v) for v in verdicts]}) + "\n")
     else:
         table = Table(title=f"prefetch on vs off, verify={mode}, audit every {audit_every}")
@@ -257,11 +340,15 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
             table.add_column(col.replace("_", " "))
         table.add_row(*["-" if v is None else str(v) for v in s.values()])
         Console(file=out).print(table)
-        for v in verdicts:
-            if v.first_mismatch is not None or v.records or v.bad_slots:
-                out.write(f"prompt {v.index}: first mismatch {v.first_mismatch}, "
-                          f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
-                          f"first record {v.records[:1]}\n")
+        flagged = [v for v in verdicts
+                   if v.first_mismatch is not None or v.records or v.bad_slots]
+        for v in flagged:
+            where = f" (group {v.group})" if rows > 1 else ""
+            out.write(f"prompt {v.index}{where}: first mismatch {v.first_mismatch}, "
+                      f"{len(v.records)} records, {len(v.bad_slots)} bad slots; "
+                      f"first record {v.records[:1]}\n")
+        if flagged and rows > 1:
+            out.write("(a group's records and bad slots are listed on its first prompt)\n")
     why = failure(s)
     if not as_json:  # the verdict, last: one line a reader (or a script) looks for
         out.write(f"FAIL: {why}\n" if why else

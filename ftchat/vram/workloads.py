@@ -78,13 +78,13 @@ def run_workload(a, layout: RowLayout, settings: Settings) -> Workload:
 
 
 def verify_workload(a, layout: RowLayout, settings: Settings, max_new: int,
-                    arms: int = 2) -> Workload:
-    """verify: a backend per arm alive together (the last prompt's `on` while the next `off` is
-    built; verify --graph adds two kept arms), short sequences, eager."""
+                    arms: int = 2, batch: int = 1) -> Workload:
+    """verify: a backend per arm alive together (the last group's `on` while the next `off` is
+    built; verify --graph adds two kept arms), short sequences of `batch` rows, eager."""
     cuda = settings.torch_device().type == "cuda"
     L = settings.context or max_new + PROMPT_BOUND
-    return Workload(L, (1,), (given_slots(settings, layout),) * arms, min(PREFILL_CHUNK, L), cuda,
-                    cuda and settings.graph is True, candidates=settings.candidates,
+    return Workload(L, (batch,), (given_slots(settings, layout),) * arms, min(PREFILL_CHUNK, L),
+                    cuda, cuda and settings.graph is True, candidates=settings.candidates,
                     kv_cache_dtype=settings.kv_cache_dtype)
 
 

@@ -1,5 +1,6 @@
-"""GPU tier (`pytest -m gpu`): `ftchat verify --graph` with real CUDA-graph replay, with a
-control that breaks only the replay, and a short soak on CUDA."""
+"""GPU tier (`pytest -m gpu`): `ftchat verify --graph` with real CUDA-graph replay, prompt by
+prompt (--batch 1) and in groups (--batch 2 over 3 prompts: a group of 2, then one of 1, each
+size captured), with a control that breaks only the replay, and a short soak on CUDA."""
 
 from __future__ import annotations
 
@@ -24,20 +25,24 @@ def tiny(tmp_path_factory):
                             fmt="nvfp4-modelopt", seed=1, layers=8)
 
 
-def _verify(folder):
+def _verify(folder, batch: str):
     res = CliRunner().invoke(app, ["verify", str(folder), "--prompts", "3", "--max-new-tokens",
-                                   "24", "--slots", "20", "--device", "cuda", "--graph", "--json"])
+                                   "24", "--slots", "20", "--device", "cuda", "--graph", "--json",
+                                   "--batch", batch])
     return res, json.loads(res.stdout.strip().splitlines()[-1]) if res.stdout.strip() else None
 
 
-def test_verify_graph_replay_equals_the_eager_arms(tiny):
-    res, out = _verify(tiny)
+@pytest.mark.parametrize("batch, audits", [("1", 3), ("2", 2)])  # an end-of-group audit each
+def test_verify_graph_replay_equals_the_eager_arms(tiny, batch, audits):
+    res, out = _verify(tiny, batch)
     assert res.exit_code == 0, res.output
-    assert out["mismatches"] == 0 and out["graph_mismatches"] == 0 and out["audits"] == 3
+    assert out["mismatches"] == 0 and out["graph_mismatches"] == 0 and out["audits"] == audits
+    assert out["graph_prefetch_mismatches"] == 0 and out["batch"] == int(batch)
     assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [{"off": None, "on": None}] * 3
 
 
-def test_verify_graph_sees_a_replay_that_reads_stale_positions(tiny, monkeypatch):
+@pytest.mark.parametrize("batch", ["1", "2"])
+def test_verify_graph_sees_a_replay_that_reads_stale_positions(tiny, monkeypatch, batch):
     # control: a replay that never updates its position buffer decodes every step at one place
     def stale(self, tokens, lengths):
         self.tokens.copy_(tokens, non_blocking=True)
@@ -45,7 +50,7 @@ def test_verify_graph_sees_a_replay_that_reads_stale_positions(tiny, monkeypatch
         return self.logits
 
     monkeypatch.setattr(DecodeGraph, "__call__", stale)
-    res, out = _verify(tiny)
+    res, out = _verify(tiny, batch)
     assert res.exit_code == 1
     assert out["mismatches"] == 0 and out["graph_mismatches"] > 0
 
