@@ -31,7 +31,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
 from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.cli_options import ServePanel, ServeQuiet
-from ftchat.errors import FtchatError, StdoutError, Terminated
+from ftchat.errors import FtchatError, StdoutError, Terminated, UsageError
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.settings import resolve_one, resolve_settings
@@ -456,11 +456,11 @@ def bench_cmd(
         copy_programs=copy_programs, threads=threads, kernels=kernels, pdl=pdl,
     ), os.environ)
     if synthetic is not None and model is not None:
-        raise FtchatError("give MODEL or --synthetic, not both")
+        raise UsageError("give MODEL or --synthetic, not both")
     if synthetic is None and (layers is not None or dense != "bf16"):
-        raise FtchatError("--layers and --dense need --synthetic")
+        raise UsageError("--layers and --dense need --synthetic")
     if arms is not None and (prefetch is not None or budget is not None):
-        raise FtchatError("give --arms, or --prefetch and --budget, not both")
+        raise UsageError("give --arms, or --prefetch and --budget, not both")
     from ftchat.commands import bench_ui
     from ftchat.commands.arms_help import arms_of_choices
     from ftchat.ui.run import apply_threads
@@ -486,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
     except StdoutError as e:  # /dev/full: what is still buffered must not fail again at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         return _fail(str(e), 1)
+    except UsageError as e:
+        return _fail(str(e), 2)
     except FtchatError as e:
         return _fail(str(e), 1)
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument
