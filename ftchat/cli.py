@@ -169,6 +169,8 @@ SERVE_HELP = "\n\n".join((
     "One engine thread decodes up to --parallel requests together, in arrival order; up to "
     "--queue more wait, the next gets 503. A request that continues a kept conversation, or "
     "shares a checkpointed prefix with an earlier one, prefills only its new tokens.",
+    "Ctrl-C, SIGTERM or SIGHUP stops the server: open requests get a second to finish, then "
+    "it exits 0.",
 ))
 
 
