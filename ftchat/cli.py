@@ -31,9 +31,9 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
 from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.cli_options import ServePanel, ServeQuiet
+from ftchat.commands.user_files import new_folder_parents, read_prompt_file, remove_empty
 from ftchat.errors import FtchatError, StdoutError, Terminated, UsageError
 from ftchat.process_io import signal_name, standard_streams, stop_signals
-from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.settings import resolve_one, resolve_settings
 
 
@@ -120,7 +120,7 @@ def run(
     if file is not None:
         if prompt is not None:
             raise FtchatError("give --prompt or --file, not both")
-        prompt = _read_prompt_file(file)
+        prompt = read_prompt_file(file)
     settings = resolve_settings(dict(
         prompt=prompt, max_new_tokens=max_new_tokens, system=system, temp=temp, top_k=top_k,
         top_p=top_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop, json=json,
@@ -137,29 +137,6 @@ def run(
     from ftchat.ui.run import run as run_ui
 
     raise typer.Exit(run_ui(model, settings, os.environ, sys.stdin, sys.stdout, sys.stderr))
-
-
-def _read_prompt_file(path: Path) -> str:
-    where = f"--file {path}"
-    try:
-        if path.is_char_device() or path.is_block_device():  # /dev/zero would never end
-            raise FtchatError(f"{where}: is a device, not a file")
-        with path.open("rb") as f:
-            data = f.read(MAX_LINE_BYTES + 1)  # a FIFO (`-f <(cmd)`) is read to its end
-        if len(data) > MAX_LINE_BYTES:
-            raise FtchatError(f"{where}: larger than {MAX_LINE_BYTES >> 20} MiB, more than "
-                              "any context holds")
-    except FileNotFoundError:
-        raise FtchatError(f"{where}: no such file") from None
-    except IsADirectoryError:
-        raise FtchatError(f"{where}: is a folder, not a file") from None
-    except OSError as e:
-        raise FtchatError(f"{where}: cannot read it ({e.strerror or e})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise FtchatError(f"{where}: not UTF-8 text ({e})") from None
-    return text.removesuffix("\n")
 
 
 SERVE_HELP = "\n\n".join((
@@ -235,58 +212,19 @@ def synth(
     from ftchat.model.synth import write_checkpoint
     from ftchat.ui.progress import progress_bar
 
-    created = _new_folder_parents(out)
+    created = new_folder_parents(out)
     try:
         with progress_bar(sys.stderr, "writing") as bar:
             path = write_checkpoint(out, preset, layers, format, seed,
                                     progress=lambda i, n: bar("layers", i, n), dense=dense)
     except OSError as e:  # the checks passed, the file system still refused (read-only, full)
-        _remove_empty(created)
+        remove_empty(created)
         raise FtchatError(f"{out}: cannot write the checkpoint in {out.absolute().parent} "
                           f"({e.strerror or e}); choose a folder on a writable disk") from None
     except BaseException:
-        _remove_empty(created)
+        remove_empty(created)
         raise
     typer.echo(f"wrote {path}")
-
-
-def _new_folder_parents(out: Path) -> list[Path]:
-    """Check that `out` can become a new folder; create its missing parents and return them
-    (outermost first), so that a failed write can remove them again."""
-    new = "synth writes a new folder: give a path that does not exist yet"
-    if out.is_symlink() or out.exists():
-        if not out.is_dir():
-            raise FtchatError(f"{out}: exists and is not a folder; {new}")
-        if any(out.iterdir()):
-            raise FtchatError(f"{out}: exists and is not empty; {new}")
-        return []
-    missing = []
-    parent = out.absolute().parent
-    while not parent.exists() and not parent.is_symlink():
-        missing.append(parent)
-        parent = parent.parent
-    if not parent.is_dir():
-        raise FtchatError(f"{out}: {parent} is not a folder; give a path inside a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise FtchatError(f"{out}: no permission to write in {parent}; choose another folder")
-    created: list[Path] = []
-    for folder in reversed(missing):
-        try:
-            folder.mkdir()
-        except OSError as e:
-            _remove_empty(created)
-            raise FtchatError(f"{out}: cannot create the folder {folder} ({e.strerror or e}); "
-                              "choose a folder on a writable disk") from None
-        created.append(folder)
-    return created
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    for folder in reversed(folders):
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
 
 
 INFO_HELP = "\n\n".join((
@@ -420,7 +358,7 @@ def audit_cmd(
     from ftchat.ui.run import apply_threads
 
     apply_threads(settings)
-    texts = [*(prompt or []), *([] if file is None else [_read_prompt_file(file)])]
+    texts = [*(prompt or []), *([] if file is None else [read_prompt_file(file)])]
     if not texts and not sys.stdin.isatty():
         texts = [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()]
     raise typer.Exit(run_audit(model, settings, os.environ, prompts=texts, every=n,
