@@ -31,9 +31,9 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
 from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.cli_options import ServePanel, ServeQuiet
-from ftchat.errors import FtchatError, StdoutError, Terminated
+from ftchat.commands.user_files import new_folder_parents, read_prompt_file, remove_empty
+from ftchat.errors import FtchatError, StdoutError, Terminated, UsageError
 from ftchat.process_io import signal_name, standard_streams, stop_signals
-from ftchat.sizes import MAX_LINE_BYTES
 from ftchat.settings import resolve_one, resolve_settings
 
 
@@ -120,7 +120,7 @@ def run(
     if file is not None:
         if prompt is not None:
             raise FtchatError("give --prompt or --file, not both")
-        prompt = _read_prompt_file(file)
+        prompt = read_prompt_file(file)
     settings = resolve_settings(dict(
         prompt=prompt, max_new_tokens=max_new_tokens, system=system, temp=temp, top_k=top_k,
         top_p=top_p, repeat_penalty=repeat_penalty, seed=seed, stop=stop, json=json,
@@ -139,29 +139,6 @@ def run(
     raise typer.Exit(run_ui(model, settings, os.environ, sys.stdin, sys.stdout, sys.stderr))
 
 
-def _read_prompt_file(path: Path) -> str:
-    where = f"--file {path}"
-    try:
-        if path.is_char_device() or path.is_block_device():  # /dev/zero would never end
-            raise FtchatError(f"{where}: is a device, not a file")
-        with path.open("rb") as f:
-            data = f.read(MAX_LINE_BYTES + 1)  # a FIFO (`-f <(cmd)`) is read to its end
-        if len(data) > MAX_LINE_BYTES:
-            raise FtchatError(f"{where}: larger than {MAX_LINE_BYTES >> 20} MiB, more than "
-                              "any context holds")
-    except FileNotFoundError:
-        raise FtchatError(f"{where}: no such file") from None
-    except IsADirectoryError:
-        raise FtchatError(f"{where}: is a folder, not a file") from None
-    except OSError as e:
-        raise FtchatError(f"{where}: cannot read it ({e.strerror or e})") from None
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise FtchatError(f"{where}: not UTF-8 text ({e})") from None
-    return text.removesuffix("\n")
-
-
 SERVE_HELP = "\n\n".join((
     "An OpenAI-compatible HTTP server: POST /v1/chat/completions (streamed or not), POST "
     "/v1/completions, GET /v1/models, GET /health (503 while loading) and GET /metrics "
@@ -169,6 +146,8 @@ SERVE_HELP = "\n\n".join((
     "One engine thread decodes up to --parallel requests together, in arrival order; up to "
     "--queue more wait, the next gets 503. A request that continues a kept conversation, or "
     "shares a checkpointed prefix with an earlier one, prefills only its new tokens.",
+    "Ctrl-C, SIGTERM or SIGHUP stops the server: open requests get a second to finish, then "
+    "it exits 0.",
 ))
 
 
@@ -233,58 +212,19 @@ def synth(
     from ftchat.model.synth import write_checkpoint
     from ftchat.ui.progress import progress_bar
 
-    created = _new_folder_parents(out)
+    created = new_folder_parents(out)
     try:
         with progress_bar(sys.stderr, "writing") as bar:
             path = write_checkpoint(out, preset, layers, format, seed,
                                     progress=lambda i, n: bar("layers", i, n), dense=dense)
     except OSError as e:  # the checks passed, the file system still refused (read-only, full)
-        _remove_empty(created)
+        remove_empty(created)
         raise FtchatError(f"{out}: cannot write the checkpoint in {out.absolute().parent} "
                           f"({e.strerror or e}); choose a folder on a writable disk") from None
     except BaseException:
-        _remove_empty(created)
+        remove_empty(created)
         raise
     typer.echo(f"wrote {path}")
-
-
-def _new_folder_parents(out: Path) -> list[Path]:
-    """Check that `out` can become a new folder; create its missing parents and return them
-    (outermost first), so that a failed write can remove them again."""
-    new = "synth writes a new folder: give a path that does not exist yet"
-    if out.is_symlink() or out.exists():
-        if not out.is_dir():
-            raise FtchatError(f"{out}: exists and is not a folder; {new}")
-        if any(out.iterdir()):
-            raise FtchatError(f"{out}: exists and is not empty; {new}")
-        return []
-    missing = []
-    parent = out.absolute().parent
-    while not parent.exists() and not parent.is_symlink():
-        missing.append(parent)
-        parent = parent.parent
-    if not parent.is_dir():
-        raise FtchatError(f"{out}: {parent} is not a folder; give a path inside a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise FtchatError(f"{out}: no permission to write in {parent}; choose another folder")
-    created: list[Path] = []
-    for folder in reversed(missing):
-        try:
-            folder.mkdir()
-        except OSError as e:
-            _remove_empty(created)
-            raise FtchatError(f"{out}: cannot create the folder {folder} ({e.strerror or e}); "
-                              "choose a folder on a writable disk") from None
-        created.append(folder)
-    return created
-
-
-def _remove_empty(folders: list[Path]) -> None:
-    for folder in reversed(folders):
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
 
 
 INFO_HELP = "\n\n".join((
@@ -425,7 +365,7 @@ def audit_cmd(
     from ftchat.ui.run import apply_threads
 
     apply_threads(settings)
-    texts = [*(prompt or []), *([] if file is None else [_read_prompt_file(file)])]
+    texts = [*(prompt or []), *([] if file is None else [read_prompt_file(file)])]
     if not texts and not sys.stdin.isatty():
         texts = [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()]
     raise typer.Exit(run_audit(model, settings, os.environ, prompts=texts, every=n,
@@ -463,11 +403,11 @@ def bench_cmd(
         copy_programs=copy_programs, threads=threads, kernels=kernels, pdl=pdl,
     ), os.environ)
     if synthetic is not None and model is not None:
-        raise FtchatError("give MODEL or --synthetic, not both")
+        raise UsageError("give MODEL or --synthetic, not both")
     if synthetic is None and (layers is not None or dense != "bf16"):
-        raise FtchatError("--layers and --dense need --synthetic")
+        raise UsageError("--layers and --dense need --synthetic")
     if arms is not None and (prefetch is not None or budget is not None):
-        raise FtchatError("give --arms, or --prefetch and --budget, not both")
+        raise UsageError("give --arms, or --prefetch and --budget, not both")
     from ftchat.commands import bench_ui
     from ftchat.commands.arms_help import arms_of_choices
     from ftchat.ui.run import apply_threads
@@ -493,6 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     except StdoutError as e:  # /dev/full: what is still buffered must not fail again at exit
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         return _fail(str(e), 1)
+    except UsageError as e:
+        return _fail(str(e), 2)
     except FtchatError as e:
         return _fail(str(e), 1)
     except typer.TyperException as e:  # usage errors: bad flag, bad value, missing argument

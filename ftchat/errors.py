@@ -15,6 +15,11 @@ class SettingsError(FtchatError):
     """An invalid flag or environment variable value."""
 
 
+class UsageError(FtchatError):
+    """A bad item in a flag's value or a bad combination of flags, found past the option parser
+    (bench's lists and arms): the CLI exits 2, as for the parser's own usage errors."""
+
+
 class StdoutError(FtchatError):
     """Writing to stdout failed (a full disk, /dev/full, a device error); not a closed pipe,
     which stays BrokenPipeError (the reader went away: `| head`)."""

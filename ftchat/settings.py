@@ -398,13 +398,21 @@ def resolve_settings(flags: Mapping[str, object], env: Mapping[str, str]) -> Set
     values.update(_budgets(flags, env))
     if values.get("slots") is not None and values.get("expert_vram_gib") is not None:
         raise SettingsError("--slots and --expert-vram are exclusive: give one of them")
-    if not values.get("temperature"):
-        for field, flag, off in (("top_k", "--top-k", 0), ("top_p", "--top-p", 1.0),
-                                 ("min_p", "--min-p", 0.0), ("seed", "--seed", None)):
-            if values.get(field, off) != off:
-                raise SettingsError(f"{flag} applies to sampling: give --temp above 0 too "
-                                    "(decoding is greedy by default)")
     return Settings(**values)
+
+
+def check_sampling_flags(flags: Settings, temperature: float | None) -> None:
+    """--top-k, --top-p, --min-p and --seed (`flags`: the settings before the model's defaults)
+    refused where decoding is greedy: `temperature` (--temp, else the model's
+    generation_config.json) 0 or none. Checked once the model's file is read: a model that
+    samples by default takes them without --temp."""
+    if temperature:
+        return
+    for field, flag, off in (("top_k", "--top-k", 0), ("top_p", "--top-p", 1.0),
+                             ("min_p", "--min-p", 0.0), ("seed", "--seed", None)):
+        if getattr(flags, field) not in (None, off):
+            raise SettingsError(f"{flag} applies to sampling: give --temp above 0 too "
+                                "(decoding is greedy by default)")
 
 
 def resolve_one(field: str, flag: object, env: Mapping[str, str]) -> object:

@@ -297,7 +297,7 @@ def test_bench_defaults_fit_the_models_positions():
     assert bench_contexts(None, 4096, 32, 3) == [4096 - 4 * 32 - 2]  # the demo: 4,096
     assert bench_contexts(None, 262144, 32, 3) == [4096]
     with pytest.raises(Exception, match="--context 4096: .* exceeds the model's 4096"):
-        bench_contexts("4k", 4096, 32, 3)
+        bench_contexts([4096], 4096, 32, 3)
 
 
 def test_bench_without_a_context_runs_on_the_demo_model(capsys, monkeypatch):

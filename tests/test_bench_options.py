@@ -88,8 +88,46 @@ def test_bench_runs_the_arms_the_choices_stand_for(tiny_bf16, capsys, monkeypatc
     assert arms("--arms", "resident;off") == [["resident", "off"]]  # the old way still works
     code, out, err = _main(["bench", tiny_bf16, *FAST, "--arms", "off", "--prefetch", "on"],
                            capsys, monkeypatch)
-    assert code == 1 and out == "" and err == (
+    assert code == 2 and out == "" and err == (  # a usage error, as the parser's own
         "error: give --arms, or --prefetch and --budget, not both\n")
+
+
+@pytest.mark.parametrize("flags, names", [
+    (["--prefetch", "on,maybe"], ["--prefetch", "'maybe'"]),
+    (["--prefetch", "on,,off"], ["--prefetch", "'on,,off'"]),
+    (["--prefetch", "on,on"], ["--prefetch", "given twice"]),
+    (["--budget", "3,x"], ["--budget", "'x'"]),
+    (["--budget", "-2"], ["--budget", "'-2'"]),
+    (["--prefetch", "off", "--budget", "2"], ["--budget", "only the measure and on arms"]),
+    (["--context", "4k,zz"], ["--context", "'zz'"]),
+    (["--context", "4k,"], ["--context", "'4k,'"]),
+    (["-c", "0"], ["--context", "'0'"]),
+    (["--arms", "on;bogus"], ["--arms", "'bogus'"]),
+    (["--arms", "on:budget=x"], ["--arms", "'on:budget=x'", "--budget 'x'"]),
+    (["--arms", "off:colour=red"], ["--arms", "unknown setting 'colour'"]),
+    (["--arms", "off;off"], ["--arms", "given twice"]),
+    (["--arms", ";"], ["--arms", "no arm given"]),
+])
+def test_a_bad_list_item_is_a_usage_error_naming_option_and_item(flags, names, capsys,
+                                                                   monkeypatch, tmp_path):
+    # exit 2 (usage) before any model loads: MODEL here is a folder that does not exist, and
+    # the model's own error (exit 1) would come first if the list were checked after it
+    code, out, err = _main(["bench", tmp_path / "no-model", *FAST, *flags], capsys,
+                           monkeypatch)
+    assert (code, out) == (2, ""), err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for name in names:
+        assert name in err, err
+
+
+def test_the_list_check_lets_good_lists_through(capsys, monkeypatch, tmp_path):
+    # control for the usage errors above: the same lists without the bad item pass the checks
+    # and reach the model, whose absence is the (runtime) error
+    for flags in (["--prefetch", "on,off"], ["--budget", "3,auto"], ["--context", "4k,32k"],
+                  ["--arms", "on;off:eviction=lru"]):
+        code, out, err = _main(["bench", tmp_path / "no-model", *FAST, *flags], capsys,
+                               monkeypatch)
+        assert code == 1 and "no-model" in err, (flags, err)
 
 
 # ===== the help pages =====

@@ -115,6 +115,35 @@ def test_do_sample_in_the_file_samples_by_default(tiny_bf16, tmp_path, capsys, m
     assert code == 0 and "seed" not in _records(out)[0], err  # control: no file, greedy
 
 
+def test_a_model_that_samples_takes_sampling_flags_without_temp(tiny_bf16, tmp_path, capsys,
+                                                                monkeypatch):
+    # --top-k / --seed need sampling, and this model's file samples (temperature 0.7): they
+    # are taken without --temp (they were refused as if decoding were greedy)
+    run = ["-p", "What is 2+2?", "-n", "6", "--json", "--threads", "1"]
+    model = _with_generation(tiny_bf16, tmp_path / "ck", do_sample=True, temperature=0.7,
+                             top_k=20)
+
+    def reply(*flags):
+        code, out, err = _main(["run", model, *run, *flags], capsys, monkeypatch)
+        assert code == 0, err
+        return _records(out)[0]
+
+    greedy = reply("--temp", "0")["tokens"]
+    sampled = reply("--seed", "3")
+    assert sampled["seed"] == 3 and sampled["tokens"] != greedy  # the file's top-k 20 samples
+    assert reply("--seed", "3")["tokens"] == sampled["tokens"]  # the seed was taken
+    # --top-k 1 keeps the likeliest token only: the flag beats the file's 20 and the sampled
+    # reply is the greedy one
+    assert reply("--top-k", "1", "--seed", "3")["tokens"] == greedy
+    # controls: --temp 0 makes it greedy, and a model whose file does not sample: refused
+    for argv in (["run", model, *run, "--top-k", "1", "--temp", "0"],
+                 ["run", tiny_bf16, *run, "--top-k", "1"]):
+        code, out, err = _main(argv, capsys, monkeypatch)
+        assert code == 1 and out == "" and err == (
+            "error: --top-k applies to sampling: give --temp above 0 too (decoding is greedy "
+            "by default)\n"), err
+
+
 # ===== the shipped demo =====
 
 

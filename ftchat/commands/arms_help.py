@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import textwrap
 
-from ftchat.errors import FtchatError
+from ftchat.errors import UsageError
 
 WIDTH = 80  # the page's width at most, whatever the terminal
 HEADS = {
@@ -84,18 +84,18 @@ def _item(name: str, what: str) -> list[str]:
 def arms_of_choices(prefetch: str | None, budget: str | None) -> str:
     """The --arms string that --prefetch LIST and --budget LIST stand for: one arm per prefetch
     mode, and for each of measure and on one arm per budget (default off,on and auto,1)."""
-    modes = _items(prefetch or "off,on", "--prefetch")
+    modes = list_items(prefetch or "off,on", "--prefetch", "off,on")
     bad = [m for m in modes if m not in HEADS]
     if bad:
-        raise FtchatError(f"--prefetch {bad[0]!r}: expected a list of {', '.join(HEADS)} "
+        raise UsageError(f"--prefetch {bad[0]!r}: expected a list of {', '.join(HEADS)} "
                           "(e.g. off,on)")
-    budgets = _items(budget or "auto,1", "--budget")
+    budgets = list_items(budget or "auto,1", "--budget", "1,4")
     for b in budgets:
         if not (b.isdigit() or b == "auto"):
-            raise FtchatError(f"--budget {b!r}: expected non-negative integers or auto "
+            raise UsageError(f"--budget {b!r}: expected non-negative integers or auto "
                               "(e.g. 1,4,auto)")
     if budget is not None and not {"measure", "on"} & set(modes):
-        raise FtchatError("--budget: only the measure and on arms have a budget; add on to "
+        raise UsageError("--budget: only the measure and on arms have a budget; add on to "
                           "--prefetch")
     arms: list[str] = []
     for m in modes:
@@ -104,10 +104,12 @@ def arms_of_choices(prefetch: str | None, budget: str | None) -> str:
     return ";".join(arms)
 
 
-def _items(text: str, flag: str) -> list[str]:
+def list_items(text: str, flag: str, example: str) -> list[str]:
+    """The items of a bench list option (--prefetch, --budget, --context): comma-separated,
+    none empty, none twice."""
     items = [x.strip() for x in text.split(",")]
     if not all(items):
-        raise FtchatError(f"{flag} {text!r}: expected a comma-separated list (e.g. 1,4)")
+        raise UsageError(f"{flag} {text!r}: expected a comma-separated list (e.g. {example})")
     if len(set(items)) != len(items):
-        raise FtchatError(f"{flag} {text!r}: an item is given twice")
+        raise UsageError(f"{flag} {text!r}: an item is given twice")
     return items

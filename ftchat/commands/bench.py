@@ -29,7 +29,7 @@ import torch
 
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.kernels.config import KernelConfig
 from ftchat.kernels.skip import Skip, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
@@ -74,28 +74,28 @@ def parse_arm(spec: str, base: Settings) -> ArmSpec:
     Values are checked as the flags are (`eviction=foo` names --eviction)."""
     head, _, rest = spec.strip().partition(":")
     if head not in ("resident", "off", "measure", "on"):
-        raise FtchatError(f"bench arm {spec!r}: expected resident, off, measure or on[:k=v,...]")
+        raise FtchatError(f"arm {spec!r}: expected resident, off, measure or on[:k=v,...]")
     flags = {}
     for item in filter(None, rest.replace(";", ",").split(",")):
         k, eq, v = item.partition("=")
         if not eq or not v.strip():
-            raise FtchatError(f"bench arm {spec!r}: {item!r} is not key=value")
+            raise FtchatError(f"arm {spec!r}: {item!r} is not key=value")
         flags[k.strip()] = v.strip()
     if "skip" in flags and head != "resident":
-        raise FtchatError(f"bench arm {spec!r}: skip= is for resident arms (the offload arms' "
+        raise FtchatError(f"arm {spec!r}: skip= is for resident arms (the offload arms' "
                           "cache and prefetch would see kept outputs)")
     try:
         kernels = arm_kernels(flags, base)
     except FtchatError as e:
-        raise FtchatError(f"bench arm {spec!r}: {e}") from None
+        raise FtchatError(f"arm {spec!r}: {e}") from None
     if head == "resident" and flags:
-        raise FtchatError(f"bench arm {spec!r}: resident takes only fused=, pdl= (1 or 0) and "
+        raise FtchatError(f"arm {spec!r}: resident takes only fused=, pdl= (1 or 0) and "
                           "skip=")
     try:
         s = None if head == "resident" else override(dataclasses.replace(base, prefetch=head),
                                                       flags)
     except FtchatError as e:
-        raise FtchatError(f"bench arm {spec!r}: {e}") from None
+        raise FtchatError(f"arm {spec!r}: {e}") from None
     return ArmSpec(s, kernels)
 
 
@@ -103,10 +103,13 @@ def parse_arms(arms: str, base: Settings) -> dict[str, ArmSpec]:
     """'off;on;on:budget=4' -> {name: settings}; at least one arm, each named once."""
     names = [a.strip() for a in arms.split(";") if a.strip()]
     if not names:
-        raise FtchatError("--arms: no arm given (e.g. 'off;on;on:budget=4')")
+        raise UsageError("--arms: no arm given (e.g. 'off;on;on:budget=4')")
     if len(set(names)) != len(names):
-        raise FtchatError(f"--arms {arms!r}: an arm is given twice")
-    return {name: parse_arm(name, base) for name in names}
+        raise UsageError(f"--arms {arms!r}: an arm is given twice")
+    try:
+        return {name: parse_arm(name, base) for name in names}
+    except FtchatError as e:  # a flag's bad value in an arm: a usage error of --arms
+        raise UsageError(f"--arms: {e}") from None
 
 
 @dataclass

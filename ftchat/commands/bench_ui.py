@@ -12,11 +12,12 @@ from typing import TextIO
 from rich.console import Console
 from rich.table import Table
 
+from ftchat.commands.arms_help import list_items
 from ftchat.commands.bench import ArmSpec, bench_context, parse_arms
 from ftchat.routing.forced import RoutingSource
 from ftchat.commands.load import load_checked, pin_planned_slots, preflight
 from ftchat.engine import LoadedModel
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.kernels.config import KernelConfig
 from ftchat.model.synth import FORMATS, MAX_LAYERS
 from ftchat.model.registry import load_args
@@ -60,9 +61,10 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
     source = RoutingSource.parse(routing)  # usage errors before the model loads
     settings.check_graph()
     arm_specs = parse_arms(arms, settings)  # usage errors before the model loads
+    given = None if contexts is None else context_list(contexts)
     a0 = (synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt)[0] if synthetic
           else load_args(resolve_model(model, env).path))
-    ctxs = bench_contexts(contexts, a0.max_position_embeddings, steps, rounds)
+    ctxs = bench_contexts(given, a0.max_position_embeddings, steps, rounds)
     max_len = max(ctxs) + (rounds + 1) * steps + 2  # bench_context's KV capacity
 
     def work(a, layout) -> Workload:
@@ -90,23 +92,32 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
     return 0
 
 
-def bench_contexts(contexts: str | None, positions: int, steps: int, rounds: int) -> list[int]:
-    """The --context list, each checked against the model's positions before loading; none
-    given: DEFAULT_CONTEXT, or less where the model's positions leave no room for the bench
-    tokens (the demo model has 4,096)."""
+def context_list(contexts: str) -> list[int]:
+    """--context LIST in tokens (`4k,32k` -> [4096, 32768]); a bad item is a usage error."""
+    items = list_items(contexts, "--context", "4k,32k")
+    try:
+        return [context_tokens(c) for c in items]
+    except FtchatError as e:
+        raise UsageError(str(e)) from None
+
+
+def bench_contexts(contexts: list[int] | None, positions: int, steps: int,
+                   rounds: int) -> list[int]:
+    """The --context list (context_list), each checked against the model's positions before
+    loading; none given: DEFAULT_CONTEXT, or less where the model's positions leave no room
+    for the bench tokens (the demo model has 4,096)."""
     room = positions - (rounds + 1) * steps - 2  # bench_context's KV capacity beyond ctx
     if contexts is None:
         if room < 1:
             raise FtchatError(f"--steps {steps} x (--rounds {rounds} + 1) bench tokens do not fit "
                               f"the model's {positions} positions: give fewer")
         return [min(DEFAULT_CONTEXT, room)]
-    ctxs = [context_tokens(c) for c in contexts.split(",")]
-    for ctx in ctxs:
+    for ctx in contexts:
         if ctx > room:
             raise FtchatError(f"--context {ctx}: with {(rounds + 1) * steps} bench tokens it "
                               f"exceeds the model's {positions} positions; give "
                               f"{max(room, 1)} or less")
-    return ctxs
+    return contexts
 
 
 def _print_context(out: TextIO, ctx: int, arms: dict[str, dict], steps: int,

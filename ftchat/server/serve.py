@@ -1,12 +1,14 @@
 """`ftchat serve`: resolve the model, start the engine thread (it loads the model while the
-HTTP server already answers /health with 503), then run uvicorn until Ctrl-C. On a terminal a
-live status line (status.py) is drawn on stderr below the log lines."""
+HTTP server already answers /health with 503), then run uvicorn until Ctrl-C, SIGTERM or SIGHUP.
+On a terminal a live status line (status.py) is drawn on stderr below the log lines."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from contextlib import nullcontext
+import signal
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -16,6 +18,7 @@ from rich.console import Console
 from ftchat.errors import FtchatError
 from ftchat.generation_defaults import generation_defaults
 from ftchat.model.tokenizer import Tokenizer
+from ftchat.process_io import signal_name
 from ftchat.resolve import demo_notice, resolve_model
 from ftchat.sampling import Sampling
 from ftchat.server.app import ServerConfig, create_app
@@ -34,6 +37,37 @@ class ServeOptions:
     queue: int = 8  # requests that may wait while one decodes
     parallel: int = 2  # sequences decoding together
     cache_ram_gib: float = 2.0  # host memory for prefix checkpoints
+
+
+# every signal that stops the server stops it gracefully, as Ctrl-C: open requests get
+# timeout_graceful_shutdown, then the process exits 0 (llama-server's way); SIGHUP is a closed
+# terminal or a supervisor's stop, not a reload
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopped by any of STOP_SIGNALS; the first one is kept in `stopped_by`
+    instead of raised again after the shutdown (uvicorn's default: a 128 + N exit status, and
+    for SIGHUP, which it does not handle, a traceback out of its event loop)."""
+
+    stopped_by: int | None = None
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only (a test's server in a thread)
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.stopped_by = self.stopped_by or sig
+        super().handle_exit(sig, frame)
 
 
 def serve(model: str | None, settings: Settings, options: ServeOptions,
@@ -73,7 +107,14 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
             # after the status line starts: uvicorn's log handler writes above it
             config = uvicorn.Config(app, host=options.host, port=options.port,
                                     log_level="warning", timeout_graceful_shutdown=1)
-            uvicorn.Server(config).run()
+            server = _Server(config)
+            server.run()
     finally:
         worker.stop()
+    if server.stopped_by is not None and not settings.quiet:
+        try:
+            print(f"ftchat serve: stopped by {signal_name(server.stopped_by)}", file=stderr,
+                  flush=True)
+        except (OSError, ValueError):  # stderr gone with the terminal (SIGHUP)
+            pass
     return 0

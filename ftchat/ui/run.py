@@ -17,7 +17,7 @@ from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
 from ftchat.output_file import check_target
 from ftchat.session import Session
 from ftchat.generation_defaults import generation_defaults
-from ftchat.settings import Settings
+from ftchat.settings import Settings, check_sampling_flags
 from ftchat.ui.batch import Job, JobReader, LineSource, run_batch
 from ftchat.ui.chat import run_chat
 from ftchat.ui.panel import Screen, isatty
@@ -36,7 +36,8 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
     # the model's generation_config.json fills the sampling settings no flag gave
     defaults = {field: value for field, value in generation_defaults(resolved.path).items()
                 if getattr(settings, field) is None}
-    settings = settings.with_generation_defaults(defaults)
+    given, settings = settings, settings.with_generation_defaults(defaults)
+    check_sampling_flags(given, settings.temperature)  # the model's own may sample
     interactive = settings.prompt is None and isatty(stdin)
     jobs = None
     if settings.prompt is not None:

@@ -1,0 +1,50 @@
+"""`ftchat serve` stopped by a signal (Ctrl-C, SIGTERM from a supervisor, SIGHUP from a closed
+terminal): a graceful shutdown, one note line, exit 0 (as llama-server), never a traceback."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from tests.server_util import start_server
+
+STOP_WITHIN_S = 10
+
+
+def check_clean_stop(returncode: int | None, stderr: str, signame: str) -> None:
+    """Exit 0, no traceback, and the stop's note as the last line of stderr."""
+    assert returncode == 0, (returncode, stderr)
+    assert "Traceback" not in stderr and "ERROR" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == f"ftchat serve: stopped by {signame}", stderr
+
+
+def test_the_check_catches_a_traceback_and_an_exit_status():
+    # negative control of check_clean_stop: what serve printed on SIGHUP before the fix
+    ok = "ftchat serve: http://...\nftchat serve: stopped by SIGHUP\n"
+    check_clean_stop(0, ok, "SIGHUP")
+    traceback = ("ERROR:    Traceback (most recent call last):\n  File ...\n"
+                 "ftchat.errors.Terminated: 1\nftchat serve: stopped by SIGHUP\n")
+    with pytest.raises(AssertionError):
+        check_clean_stop(0, traceback, "SIGHUP")
+    with pytest.raises(AssertionError):
+        check_clean_stop(143, "error: stopped by SIGTERM\n", "SIGTERM")
+    with pytest.raises(AssertionError):
+        check_clean_stop(0, ok, "SIGTERM")  # the note names the signal that came
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM, signal.SIGINT],
+                         ids=lambda s: s.name)
+def test_a_stop_signal_shuts_serve_down_cleanly(sig, tiny_bf16, tmp_path):
+    server = start_server(tmp_path, str(tiny_bf16), "--device", "cpu")  # waits for /health 200
+    try:
+        server.proc.send_signal(sig)
+        code = server.proc.wait(STOP_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"ftchat serve still runs {STOP_WITHIN_S} s after {sig.name}")
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait()
+    check_clean_stop(code, server.log.read_text(), sig.name)
