@@ -7,15 +7,19 @@ long one's first decode steps (the half-prefilled row rides along in the capture
 their replies stream at the same time; at --parallel 1 (the control) the second waits for the
 first.
 
+The requests are plain HTTP (tests/server_util.py), not the `openai` package: the device machine
+has no package registry to install it from; the CPU tests cover the client's view.
+
 Every server and reference run starts at once (one GPU, the demo model is small); without CUDA
 the whole module is skipped before any process starts."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import openai
 import pytest
 import torch
 
@@ -79,21 +83,23 @@ def tok():
     return Tokenizer.from_folder(DEMO)
 
 
-def _client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=120)
+def _create(server, kind: str, **body) -> dict:
+    """POST /v1/{kind} (chat/completions or completions), not streamed: the reply object."""
+    status, _, r = server.request("POST", f"/v1/{kind}", {"model": "demo", **body})
+    assert status == 200, (status, r)
+    return r
 
 
 @pytest.mark.parametrize("name", ["graph", "eager"])
 def test_greedy_chat_equals_run(setup, name):
     server, ref = setup[name]
-    client = _client(server)
     for (messages, n), want in zip(CHATS, ref):
-        r = client.chat.completions.create(model="demo", messages=messages, max_tokens=n)
-        msg = r.choices[0].message
-        assert msg.content == want["text"], (name, msg.content, want["text"])
-        assert (getattr(msg, "reasoning_content", None) or "") == want["reasoning"]
-        assert r.usage.completion_tokens == len(want["tokens"])
-        assert r.usage.prompt_tokens == want["prompt_tokens"]
+        r = _create(server, "chat/completions", messages=messages, max_tokens=n)
+        msg = r["choices"][0]["message"]
+        assert msg["content"] == want["text"], (name, msg["content"], want["text"])
+        assert (msg.get("reasoning_content") or "") == want["reasoning"]
+        assert r["usage"]["completion_tokens"] == len(want["tokens"])
+        assert r["usage"]["prompt_tokens"] == want["prompt_tokens"]
 
 
 @pytest.mark.parametrize("name", ["graph", "eager", "graph2"])
@@ -101,13 +107,11 @@ def test_greedy_completion_equals_run_tokens(setup, tok, name):
     """The raw completion of a rendered chat is the text of exactly the tokens run chose (the
     server prefills it whole, or from a checkpoint an earlier test's chat left)."""
     server, ref = setup[name]
-    client = _client(server)
     cases = zip(CHATS if name != "graph2" else PAIR, ref)  # graph2: the pair, one at a time
     for (messages, n), want in cases:
-        r = client.completions.create(model="demo", prompt=tok.render_chat(messages),
-                                      max_tokens=n)
-        assert r.choices[0].text == _text(tok, want), (name, messages[-1])
-        assert r.usage.completion_tokens == len(want["tokens"])
+        r = _create(server, "completions", prompt=tok.render_chat(messages), max_tokens=n)
+        assert r["choices"][0]["text"] == _text(tok, want), (name, messages[-1])
+        assert r["usage"]["completion_tokens"] == len(want["tokens"])
 
 
 def test_a_restored_checkpoint_gives_run_tokens(setup, tok):
@@ -115,12 +119,11 @@ def test_a_restored_checkpoint_gives_run_tokens(setup, tok):
     same rendered prompt restores it and prefills only the generation prompt: still run's
     tokens."""
     server, ref = setup["graph"]
-    client = _client(server)
     messages, n = CHATS[1]
-    client.chat.completions.create(model="demo", messages=messages, max_tokens=n)
-    r = client.completions.create(model="demo", prompt=tok.render_chat(messages), max_tokens=n)
-    assert r.usage.prompt_tokens_details.cached_tokens > 0
-    assert r.choices[0].text == _text(tok, ref[1])
+    _create(server, "chat/completions", messages=messages, max_tokens=n)
+    r = _create(server, "completions", prompt=tok.render_chat(messages), max_tokens=n)
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert r["choices"][0]["text"] == _text(tok, ref[1])
 
 
 def _text(tok, ref: dict) -> str:
@@ -128,14 +131,27 @@ def _text(tok, ref: dict) -> str:
     return tok.decode(ref["tokens"][:-1] if ref["stop"] == "eos" else ref["tokens"])
 
 
-def _stream_text(client, prompt: str, n: int, times: list[float]) -> str:
-    """A streamed completion; the arrival time of each piece of text goes to `times`."""
+def _stream_text(server, prompt: str, n: int, times: list[float]) -> str:
+    """A streamed completion read event by event; the arrival time of each piece of text goes
+    to `times`."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"model": "demo", "prompt": prompt, "max_tokens": n, "stream": True}
     out = []
-    for chunk in client.completions.create(model="demo", prompt=prompt, max_tokens=n,
-                                           stream=True):
-        if chunk.choices and chunk.choices[0].text:
-            times.append(time.monotonic())
-            out.append(chunk.choices[0].text)
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200, (r.status, r.read())
+        for raw in r:  # SSE: "data: {...}" lines, "data: [DONE]" last
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                times.append(time.monotonic())
+                out.append(chunk["choices"][0]["text"])
+    finally:
+        conn.close()
     return "".join(out)
 
 
@@ -143,16 +159,15 @@ def _concurrent(server, tok) -> tuple[list[str], list[list[float]], float]:
     """The long prompt is sent; once the engine holds it (prefilling), the short one. Their
     texts, the arrival times of their pieces, and the decode steps run while a prompt was half
     prefilled (the short one's, between the long one's steps)."""
-    client = _client(server)
     steps = server.metric("ftchat_interleaved_decode_steps_total")
     times: list[list[float]] = [[], []]
     (long, n_long), (short, n_short) = PAIR
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(_stream_text, client, tok.render_chat(long), n_long, times[0])
+        first = pool.submit(_stream_text, server, tok.render_chat(long), n_long, times[0])
         end = time.monotonic() + 60
         while server.metric("ftchat_requests_running") < 1 and time.monotonic() < end:
             assert not first.done(), first.result()
-        second = _stream_text(client, tok.render_chat(short), n_short, times[1])
+        second = _stream_text(server, tok.render_chat(short), n_short, times[1])
         texts = [first.result(timeout=120), second]
     assert times[0] and times[1]
     return texts, times, server.metric("ftchat_interleaved_decode_steps_total") - steps
