@@ -452,3 +452,17 @@ def test_verify_graph_in_groups_attributes_a_mismatch_to_its_row(tiny_nvfp4, eag
     assert [v["graph_first_mismatch"] for v in out["per_prompt"]] == [
         {"off": None, "on": None}, {"off": 5, "on": 5}, {"off": None, "on": None}]
     assert out["mismatches"] == 0 and out["graph_prefetch_mismatches"] == 0
+
+
+def test_graph_groups_stay_on_the_decode_expert_path():
+    """Under --graph a group is at most 8 rows (the Triton decode experts' limit; a larger batch
+    takes the prefill path, whose capture failed on the device); without --graph the slots and
+    the cap of 16 decide."""
+    from ftchat.debug.verify_command import BatchTooLarge, group_size
+
+    assert group_size(None, 60, 96, 8, graph=True) == 8
+    assert group_size(None, 60, 96, 8, graph=False) == 12  # control: 96 slots // top-8
+    assert group_size(None, 3, 96, 8, graph=True) == 3
+    with pytest.raises(BatchTooLarge, match="--batch 8 or less"):
+        group_size(9, 60, 200, 8, graph=True)
+    assert group_size(9, 60, 200, 8, graph=False) == 9

@@ -45,6 +45,7 @@ from ftchat.debug.verifier import Verifier
 from ftchat.debug.watchers import HookChain
 from ftchat.engine import Decoder, LoadedModel, build_experts, decode, generate, num_slots
 from ftchat.errors import FtchatError
+from ftchat.kernels.routed_experts import DECODE_MAX_TOKENS
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
 from ftchat.ui.progress import progress_bar
@@ -78,14 +79,20 @@ class BatchTooLarge(FtchatError):
     """--batch N needs more expert slots than the run has: a usage error (the CLI exits 2)."""
 
 
-def group_size(batch: int | None, prompts: int, slots: int | None, top_k: int) -> int:
+def group_size(batch: int | None, prompts: int, slots: int | None, top_k: int,
+               graph: bool = False) -> int:
     """Prompts decoded together: --batch N (at most the prompts), or auto (None): as many as the
     slots hold (every row's top-k experts are resident at once, as engine.num_slots requires),
     at most AUTO_BATCH_CAP. slots None: not known yet (sized at load), so not checked; auto then
-    assumes the cap."""
+    assumes the cap. With graph (`--graph`) at most DECODE_MAX_TOKENS rows: a larger batch takes
+    the prefill expert path, which a CUDA graph cannot capture (measured: the capture fails)."""
+    cap = min(AUTO_BATCH_CAP, DECODE_MAX_TOKENS) if graph else AUTO_BATCH_CAP
     if batch is None:
-        fit = AUTO_BATCH_CAP if slots is None else slots // top_k
-        return max(1, min(prompts, fit, AUTO_BATCH_CAP))
+        fit = cap if slots is None else slots // top_k
+        return max(1, min(prompts, fit, cap))
+    if graph and batch > DECODE_MAX_TOKENS:
+        raise BatchTooLarge(f"--batch {batch}: --graph replays decode steps of at most "
+                            f"{DECODE_MAX_TOKENS} rows; give --batch {DECODE_MAX_TOKENS} or less")
     g = min(batch, prompts)
     if slots is not None and g * top_k > slots:
         need = g * top_k
@@ -199,7 +206,7 @@ def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings:
     prompts, after each group."""
     a = m.args
     base = dataclasses.replace(settings, verify=None, audit_every=0, batch_size=1)
-    G = group_size(batch, n, num_slots(m, base), a.num_experts_per_tok)
+    G = group_size(batch, n, num_slots(m, base), a.num_experts_per_tok, settings.graph is True)
     base = dataclasses.replace(base, batch_size=G)  # the backends check their slots for G rows
     off_settings = dataclasses.replace(base, prefetch="off")
     on_settings = base if base.prefetch == "on" else dataclasses.replace(base, prefetch="on")
@@ -316,7 +323,8 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
     arms = 4 if settings.graph is True else 2  # verify --graph keeps two more backends
 
     def workload(a, layout):
-        rows = group_size(batch, prompts, given_slots(settings, layout), a.num_experts_per_tok)
+        rows = group_size(batch, prompts, given_slots(settings, layout), a.num_experts_per_tok,
+                          settings.graph is True)
         return verify_workload(a, layout, settings, max_new, arms, rows)
 
     m, tok, plan = load_checked(model, settings, env, err, workload)

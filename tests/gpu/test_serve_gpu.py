@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.gpu,
 
 DEMO = ROOT / "ftchat" / "models" / "demo"
 # a small prefill chunk: the long prompt takes ~100 chunks, time for the short one to arrive
-COMMON = ("--device", "cuda", "--context", "1024", "--prefill-chunk", "8")
+COMMON = ("--device", "cuda", "--context", "2048", "--prefill-chunk", "8")
 SERVERS = {  # name -> serve flags; each is compared with the run of the same flags
     "graph": ("--graph", "--parallel", "1"),
     "eager": ("--eager", "--parallel", "1"),
