@@ -128,20 +128,12 @@ class _StaleSharedExpert(Hooks):
             self.hit = (b.step, p.layer, gid)
 
 
-def test_a_stale_map_entry_two_rows_read_is_one_record(tiny_nvfp4):
-    # both rows read the expert through the same slot: one pair, one record (not one per row)
-    fault = _StaleSharedExpert()
-    _, rec, _ = debug_run(tiny_nvfp4, 12, mode="meta", fault=fault, bs=2)
-    assert fault.hit is not None, "the two rows never shared an expert"
-    step, layer, gid = fault.hit
-    there = [r for r in rec if (r["step"], r["layer"], r["expert"]) == (step, layer, gid)]
-    assert [r["what"] for r in there] == ["slot maps disagree"]
-
-
-def test_a_row_given_another_slot_for_a_shared_expert_is_recorded(tiny_nvfp4):
-    # row 0 reads the expert through its slot, row 1 through another: two pairs, and only the
-    # second is wrong (a check that kept one place per expert id would drop it)
-    fault = _StaleSharedExpert(row_1_only=True)
+@pytest.mark.parametrize("row_1_only", [False, True], ids=["same-slot", "other-slot"])
+def test_a_shared_expert_read_through_a_stale_slot_is_one_record(tiny_nvfp4, row_1_only):
+    # same-slot: both rows read the expert through one slot: one pair, one record (not one per
+    # row). other-slot: row 0 reads it through its slot, row 1 through another: two pairs, only
+    # the second wrong (a check that kept one place per expert id would drop it)
+    fault = _StaleSharedExpert(row_1_only=row_1_only)
     _, rec, _ = debug_run(tiny_nvfp4, 12, mode="meta", fault=fault, bs=2)
     assert fault.hit is not None, "the two rows never shared an expert"
     step, layer, gid = fault.hit
