@@ -39,6 +39,10 @@
 #              workers, stopped after), PROMPTS=6, TOKENS=256, SLOTS (demo 96, fn4 137),
 #              BATCH (prompts decoded together, verify --batch; empty: verify's auto),
 #              VERIFY_S=560 a process] -> verify_<model>.json (totals and every shard)
+#   agent-soak `ftchat serve` on the demo model (--parallel PARALLEL=4), then scripts/agent_soak.py
+#              (the openai package) against it for MINUTES=2 once per SIDES=0,1,3 side calls
+#              fired beside each main turn, one JSON line every INTERVAL=30 s
+#              -> agent_soak_demo.jsonl, agent_soak_serve.log
 #   soak       scripts/soak.py on the demo model, prefetch on, budget 4, 96 slots [MINUTES=15];
 #              one that cannot finish within the call starts detached, and `soak-wait`
 #              [WAIT_S=540] collects it in a later call -> soak_demo.jsonl
@@ -46,10 +50,10 @@
 # Every step runs under a timeout; a failed step is named and the next one runs.
 # Exit status: 0 all passed, 1 a step failed, 2 usage, 3 a detached soak is still running.
 set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # a caller's path after the tree: e.g. carried packages
 O=${OUT:-/tmp/out}
 W=/tmp/ftchat_device  # scratch: shard lists, per-process outputs (not returned)
-MODES="gpu-tests decode48 offload48 prefill48 families e2e48 verify soak soak-wait"
+MODES="gpu-tests decode48 offload48 prefill48 families e2e48 verify soak soak-wait agent-soak"
 FAILED=()
 PENDING=0
 
@@ -404,6 +408,33 @@ soak_wait() {
   soak_collect
 }
 
+agent_soak() {  # ftchat serve on the demo model, scripts/agent_soak.py against it once per SIDES
+  local dir=$W/agent_soak port=${PORT:-8089} sides=${SIDES:-0,1,3} side pid up=0 i
+  local url=http://127.0.0.1:$port/v1 out=$O/agent_soak_demo.jsonl
+  rm -rf "$dir" && mkdir -p "$dir" && rm -f "$out"
+  python3 -m ftchat.cli serve --port "$port" --parallel "${PARALLEL:-4}" \
+    > "$dir/serve.out" 2> "$O/agent_soak_serve.log" &
+  pid=$!
+  for i in $(seq 240); do  # /health answers 200 once the model is loaded
+    python3 -c "import urllib.request as u; u.urlopen('${url%/v1}/health', timeout=2)" \
+      2> /dev/null && { up=1; break; }
+    kill -0 $pid 2> /dev/null || break
+    sleep 0.5
+  done
+  if [ $up = 0 ]; then
+    echo "[agent-soak] the server did not come up"; tail -n 5 "$O/agent_soak_serve.log"
+    kill $pid 2> /dev/null; FAILED+=(agent-soak); return
+  fi
+  for side in ${sides//,/ }; do
+    run_step "agent-soak side $side" $(awk -v m="${MINUTES:-2}" 'BEGIN { print int(m * 60 + 120) }') \
+      "$dir/side$side.out" "$dir/side$side.err" python3 scripts/agent_soak.py --url "$url" \
+      --minutes "${MINUTES:-2}" --side "$side" --server-pid $pid --interval "${INTERVAL:-30}" \
+      --out "$out" && tail -n 1 "$dir/side$side.out"
+  done
+  kill -INT $pid; wait $pid
+  echo "[agent-soak] serve exit $?: $(tail -n 1 "$O/agent_soak_serve.log")"
+}
+
 [ $# -ge 1 ] || usage
 mode_list=${1//,/ }
 shift
@@ -426,6 +457,7 @@ for m in $mode_list; do
     verify) verify ;;
     soak) soak ;;
     soak-wait) soak_wait ;;
+    agent-soak) agent_soak ;;
   esac
 done
 if [ ${#FAILED[@]} -gt 0 ]; then

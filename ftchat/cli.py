@@ -184,7 +184,11 @@ def serve(
         prefetch=prefetch, budget=budget, budget_gdn=budget_gdn, budget_attn=budget_attn,
         candidates=candidates, eviction=eviction, overlap=overlap, copy_programs=copy_programs,
     ), os.environ)
-    from ftchat.server.serve import ServeOptions, serve as serve_http
+    try:
+        from ftchat.server.serve import ServeOptions, serve as serve_http
+    except ModuleNotFoundError as e:  # a declared dependency missing: a broken install
+        raise FtchatError(f"ftchat serve needs the package {e.name!r}, which is not installed; "
+                          "reinstall ftchat (pip install -e .) to get fastapi and uvicorn") from e
 
     key = api_key if api_key is not None else os.environ.get("FTCHAT_API_KEY") or None
     options = ServeOptions(host, port, key, queue, parallel, cache_ram)

@@ -13,8 +13,8 @@ starts over. Every --replay-every main turns, an earlier main turn's request is 
 its greedy reply must equal the recorded one (prefix reuse and batching must not change it).
 
 One JSON line per --interval (kind "interval": main turns, side calls, tool calls, main-turn
-decode tok/s, worst gap between two streamed tokens, server RSS (with --server-pid) and VRAM
-(`/metrics`)), then a summary with the RSS and VRAM slopes (MiB/min, least squares, after the
+decode tok/s, worst gap between two streamed tokens, side-call latency (median, worst), server
+RSS (with --server-pid) and VRAM (`/metrics`)), then a summary with the RSS and VRAM slopes (MiB/min, least squares, after the
 first interval; RSS less the prefix checkpoints' bytes, which grow up to --cache-ram by design).
 Exit 1 on an error, a replay mismatch or a slope over its bound.
 """
@@ -77,6 +77,14 @@ def server_mib(url: str, key: str, name: str) -> float | None:
     return None
 
 
+def side_latency(seconds: list[float]) -> dict:
+    """Median and worst side-call latency so far (None before the first)."""
+    if not seconds:
+        return {"side_p50_s": None, "side_max_s": None}
+    s = sorted(seconds)
+    return {"side_p50_s": round(s[len(s) // 2], 3), "side_max_s": round(s[-1], 3)}
+
+
 class Soak:
     def __init__(self, a: argparse.Namespace):
         self.a = a
@@ -86,6 +94,7 @@ class Soak:
         self.main_turns = self.side_calls = self.tool_calls = 0
         self.decode_tokens, self.decode_s, self.worst_gap = 0, 0.0, 0.0
         self.recorded: list[tuple[list[dict], str]] = []
+        self.side_s: list[float] = []  # each side call's latency, request to full reply
         self.lock = threading.Lock()
 
     def main_turn(self, messages: list[dict]) -> tuple[str, int]:
@@ -116,12 +125,14 @@ class Soak:
         return "".join(parts), prompt
 
     def side_call(self) -> None:
+        t0 = time.perf_counter()
         r = self.client.chat.completions.create(
             model="soak", messages=[{"role": "user", "content": self.rng.choice(SIDE)}],
             max_tokens=self.a.side_tokens)
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
         with self.lock:
             self.side_calls += 1
+            self.side_s.append(time.perf_counter() - t0)
 
     def replay(self) -> None:
         messages, expected = self.rng.choice(self.recorded)
@@ -183,6 +194,7 @@ class Soak:
         line = {"kind": kind, "minutes": round(minutes, 2), "main_turns": self.main_turns,
                 "side_calls": self.side_calls, "tool_calls_returned": self.tool_calls,
                 "main_decode_tok_s": tps, "worst_gap_s": round(self.worst_gap, 3),
+                "side_at_once": self.a.side, **side_latency(self.side_s),
                 "rss_mib": rss, "vram_mib": vram, **extra}
         text = json.dumps(line)
         print(text, flush=True)

@@ -64,6 +64,12 @@ class Server:
             self.proc.wait()
 
 
+def tree_pythonpath() -> str:
+    """This tree first, then the caller's PYTHONPATH (packages carried to a machine that lacks
+    them: the device's fastapi and uvicorn)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -72,7 +78,7 @@ def free_port() -> int:
 
 def start_server(tmp: Path, *args: str, key: str | None = None, wait: bool = True) -> Server:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": tree_pythonpath()}
     env.pop("FTCHAT_API_KEY", None)
     if key is not None:
         env["FTCHAT_API_KEY"] = key
@@ -110,6 +116,6 @@ def run_json(lines: list[dict], *args: str) -> list[dict]:
     p = subprocess.run([sys.executable, "-m", "ftchat.cli", "run", "--json", "--threads", "1",
                         *args], input="".join(json.dumps(x) + "\n" for x in lines),
                        capture_output=True, text=True, cwd=ROOT, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": tree_pythonpath()})
     assert p.returncode == 0, p.stderr
     return [json.loads(x) for x in p.stdout.splitlines()]

@@ -3,12 +3,14 @@ terminal): a graceful shutdown, one note line, exit 0 (as llama-server), never a
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
 
 import pytest
 
-from tests.server_util import start_server
+from tests.server_util import ROOT, start_server
 
 STOP_WITHIN_S = 10
 
@@ -48,3 +50,19 @@ def test_a_stop_signal_shuts_serve_down_cleanly(sig, tiny_bf16, tmp_path):
             server.proc.kill()
             server.proc.wait()
     check_clean_stop(code, server.log.read_text(), sig.name)
+
+
+@pytest.mark.parametrize("blocked", [True, False], ids=["uvicorn-missing", "installed"])
+def test_serve_names_a_missing_server_package(blocked, tmp_path):
+    # a broken install (uvicorn absent) is one line naming the package, not "internal error";
+    # the control, with uvicorn importable, gets past the import to the model's own error
+    block = "sys.modules['uvicorn'] = None; " if blocked else ""
+    code = f"import sys; {block}from ftchat.cli import main; sys.exit(main(sys.argv[1:]))"
+    p = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path / "no-such-model"),
+                        "--device", "cpu"], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    missing = "error: ftchat serve needs the package 'uvicorn', which is not installed"
+    assert lines[0].startswith(missing) == blocked, p.stderr
+    assert "internal error" not in p.stderr
