@@ -119,7 +119,7 @@ def run(
 ) -> None:
     if file is not None:
         if prompt is not None:
-            raise FtchatError("give --prompt or --file, not both")
+            raise UsageError("give --prompt or --file, not both")
         prompt = read_prompt_file(file)
     settings = resolve_settings(dict(
         prompt=prompt, max_new_tokens=max_new_tokens, system=system, temp=temp, top_k=top_k,
@@ -360,11 +360,11 @@ def audit_cmd(
         kv_cache_dtype=kv_cache_dtype, threads=threads, kernels=kernels, pdl=pdl,
     ), os.environ)
     if every is not None and audit_every is not None and every != audit_every:
-        raise FtchatError("--audit-every and its old name --every give different values: "
-                          "give one")
+        raise UsageError("--audit-every and its old name --every give different values: "
+                         "give one")
     n = audit_every if audit_every is not None else every if every is not None else 64
     if n < 1:
-        raise FtchatError(f"--audit-every {n}: expected a positive integer")
+        raise UsageError(f"--audit-every {n}: expected a positive integer")
     from ftchat.debug.audit_command import run_audit
     from ftchat.ui.run import apply_threads
 

@@ -11,13 +11,14 @@ class ModelError(FtchatError):
     """A model folder, config or checkpoint that ftchat cannot read."""
 
 
-class SettingsError(FtchatError):
-    """An invalid flag or environment variable value."""
-
-
 class UsageError(FtchatError):
-    """A bad item in a flag's value or a bad combination of flags, found past the option parser
-    (bench's lists and arms): the CLI exits 2, as for the parser's own usage errors."""
+    """A bad flag value or a bad combination of flags, found past the option parser: the CLI
+    exits 2, as for the parser's own usage errors (runtime failures exit 1)."""
+
+
+class SettingsError(UsageError):
+    """An invalid flag or environment variable value: a usage error (exit 2), as the option
+    parser's own."""
 
 
 class StdoutError(FtchatError):

@@ -165,7 +165,7 @@ def context_tokens(text: str) -> int:
     except ValueError:
         n = 0
     if n < 1:
-        raise FtchatError(f"--context {text!r}: expected a token count like 4096 or 255k")
+        raise SettingsError(f"--context {text!r}: expected a token count like 4096 or 255k")
     return n
 
 

@@ -72,6 +72,6 @@ def test_audit_file_errors_name_the_file(tiny_bf16, tmp_path, capsys, monkeypatc
 
 def test_no_prompt_says_every_way_to_give_one(tiny_bf16, capsys, monkeypatch):
     code, out, err = _main(["audit", tiny_bf16, *AUDIT], capsys, monkeypatch, "\n")
-    assert code == 1 and out == "", err
+    assert code == 2 and out == "", err  # a usage error; a missing --file is 1 (above)
     assert err == ("error: no prompts: give them with --prompt/-p TEXT (repeatable), --file/-f "
                    "FILE or on stdin, one per line\n")

@@ -108,7 +108,7 @@ def test_record_routing_of_a_refused_setting_leaves_no_file(tiny_bf16, tmp_path,
     code, out, err = _main(["run", tiny_bf16, "-p", "hi", "-n", "2", "--prefetch", "on",
                             "--budget", "1000000000", "--record-routing", trace], capsys,
                            monkeypatch)
-    clean_error(code, err, "--budget-gdn 1000000000")
+    clean_error(code, err, "--budget-gdn 1000000000", status=2)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -203,7 +203,7 @@ def test_a_signal_at_the_chat_prompt_restores_the_terminal(endless, sig):
 def test_threads_beyond_the_machine(tiny_bf16, capsys, monkeypatch):
     code, out, err = _main(["run", tiny_bf16, "-p", "hi", "--threads", "100000"], capsys,
                            monkeypatch)
-    clean_error(code, err, "--threads 100000", "CPU")
+    clean_error(code, err, "--threads 100000", "CPU", status=2)
     assert "loaded" not in err  # refused before the model loads
     code, out, err = _main(["run", tiny_bf16, "-p", "hi", "-n", "2", "--threads", "1"], capsys,
                            monkeypatch)
@@ -214,10 +214,10 @@ def test_layers_out_of_range(tmp_path, capsys, monkeypatch):
     t = time.monotonic()
     code, out, err = _main(["info", "--synthetic", "tiny", "--layers", "100000000"], capsys,
                            monkeypatch)
-    clean_error(code, err, "--layers 100000000", "2 to 512")
+    clean_error(code, err, "--layers 100000000", "2 to 512", status=2)
     assert time.monotonic() - t < 30  # before: ran unbounded
     code, out, err = _main(["synth", tmp_path / "zero", "--layers", "0"], capsys, monkeypatch)
-    clean_error(code, err, "--layers 0")
+    clean_error(code, err, "--layers 0", status=2)
     assert list(tmp_path.iterdir()) == []  # before: wrote 6 layers
     code, out, err = _main(["synth", tmp_path / "two", "--layers", "2"], capsys, monkeypatch)
     assert code == 0, err  # control
@@ -243,7 +243,7 @@ def test_a_huge_top_k_is_every_token(tiny_bf16, capsys, monkeypatch):
 ])
 def test_vram_not_a_finite_number(tiny_bf16, capsys, monkeypatch, argv, named):
     code, out, err = _main([argv[0], tiny_bf16, *argv[1:]], capsys, monkeypatch)
-    clean_error(code, err, named)
+    clean_error(code, err, named, status=2)
 
 
 @pytest.mark.parametrize("argv, named", [
@@ -254,7 +254,7 @@ def test_vram_not_a_finite_number(tiny_bf16, capsys, monkeypatch, argv, named):
 ])
 def test_numbers_out_of_range(tiny_bf16, capsys, monkeypatch, argv, named):
     code, out, err = _main([argv[0], tiny_bf16, *argv[1:]], capsys, monkeypatch)
-    clean_error(code, err, named)
+    clean_error(code, err, named, status=2)
 
 
 def test_graph_on_the_cpu(tiny_bf16, capsys, monkeypatch):
@@ -263,21 +263,21 @@ def test_graph_on_the_cpu(tiny_bf16, capsys, monkeypatch):
     for argv in (["run", tiny_bf16, "-p", "hi", "--graph"],
                  ["bench", tiny_bf16, "--graph", "--steps", "1", "--rounds", "1"]):
         code, out, err = _main(argv, capsys, monkeypatch)
-        clean_error(code, err, "--graph", "CPU")
+        clean_error(code, err, "--graph", "CPU", status=2)
     code, out, err = _main(["run", tiny_bf16, "-p", "hi", "-n", "2", "--eager"], capsys,
                            monkeypatch)
     assert code == 0, err  # control
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["-n", "0", "-p", "hi"], "--max-new-tokens 0"),
-    (["-p", ""], "prompt 1 is empty"),
-    (["-p", "   "], "prompt 1 is empty"),
-    (["-n", "5000", "-p", "hi"], "exceed the context (4096)"),
+@pytest.mark.parametrize("argv, named, status", [
+    (["-n", "0", "-p", "hi"], "--max-new-tokens 0", 2),
+    (["-p", ""], "prompt 1 is empty", 2),
+    (["-p", "   "], "prompt 1 is empty", 2),
+    (["-n", "5000", "-p", "hi"], "exceed the context (4096)", 1),  # the model's: a runtime error
 ])
-def test_audit_bounds(tiny_bf16, capsys, monkeypatch, argv, named):
+def test_audit_bounds(tiny_bf16, capsys, monkeypatch, argv, named, status):
     code, out, err = _main(["audit", tiny_bf16, *argv], capsys, monkeypatch)
-    clean_error(code, err, named)
+    clean_error(code, err, named, status=status)
     assert "audits" not in out
 
 
@@ -343,7 +343,7 @@ def test_a_lone_surrogate_in_a_json_prompt(tiny_bf16, capsys, monkeypatch):
 
 def test_a_lone_surrogate_in_an_argument(tiny_bf16, capsys, monkeypatch):
     code, out, err = _main(["run", tiny_bf16, "-n", "2", "-p", "a\udcffb"], capsys, monkeypatch)
-    clean_error(code, err, "--prompt", "not UTF-8")
+    clean_error(code, err, "--prompt", "not UTF-8", status=2)
 
 
 def test_deeply_nested_json(tiny_bf16, capsys, monkeypatch):
@@ -506,9 +506,10 @@ def test_closed_stderr_keeps_errors_out_of_stdout(tiny_bf16):
     argv = [*CLI, "run", str(tiny_bf16), "-p", "hi", "--threads", "0"]
     p = subprocess.run(argv, env=child_env(), stdout=subprocess.PIPE, text=True, timeout=120,
                        preexec_fn=_closing(2))
-    assert p.returncode == 1 and p.stdout == ""  # before: the error was printed into stdout
+    assert p.returncode == 2 and p.stdout == ""  # before: the error was printed into stdout
     p = run(argv, child_env())
-    clean_error(p.returncode, p.stderr, "--threads 0")  # control: stderr open, it is there
+    # control: stderr open, the error is there
+    clean_error(p.returncode, p.stderr, "--threads 0", status=2)
 
 
 # ===== at 80 columns =====
@@ -677,7 +678,7 @@ def test_min_p(tiny_bf16, capsys, monkeypatch):
     assert tokens("--temp", "5", "--seed", "1", "--min-p", "1") == greedy
     assert tokens("--temp", "5", "--seed", "1", "--min-p", "0") != greedy
     code, out, err = _main(["run", tiny_bf16, "-p", "hi", "--min-p", "0.1"], capsys, monkeypatch)
-    clean_error(code, err, "--min-p applies to sampling")
+    clean_error(code, err, "--min-p applies to sampling", status=2)
     code, out, err = _main(["run", tiny_bf16, "-p", "hi", "--temp", "1", "--min-p", "2"], capsys,
                            monkeypatch)
-    clean_error(code, err, "--min-p 2.0", "0 to 1")
+    clean_error(code, err, "--min-p 2.0", "0 to 1", status=2)

@@ -18,8 +18,9 @@ from tests.cli_harness import run_main as _main
 FTCHAT = Path(sys.executable).parent / "ftchat"
 
 
-def one_error(code, out, err, *expected):
-    assert code == 1 and out == "", (code, out, err)
+def one_error(code, out, err, *expected, status=1):
+    """One `error:` line holding every `expected` text; exit `status` (2: a usage error)."""
+    assert code == status and out == "", (code, out, err)
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert "Traceback" not in err and "internal error" not in err
@@ -75,10 +76,10 @@ def test_prompt_file_errors(tmp_path, capsys, monkeypatch):
               "not UTF-8 text")
     (tmp_path / "p.txt").write_text("hi")
     one_error(*_main(["run", "-f", tmp_path / "p.txt", "-p", "hi"], capsys, monkeypatch),
-              "give --prompt or --file, not both")
+              "give --prompt or --file, not both", status=2)
     (tmp_path / "blank.txt").write_text("\n\n")
     one_error(*_main(["run", "-f", tmp_path / "blank.txt"], capsys, monkeypatch),
-              "expected a prompt with some text in it")
+              "expected a prompt with some text in it", status=2)
 
 
 def test_threads_sets_torch_threads(tiny_nvfp4, capsys, monkeypatch):
@@ -90,7 +91,7 @@ def test_threads_sets_torch_threads(tiny_nvfp4, capsys, monkeypatch):
                            monkeypatch)
     assert code == 0 and calls == [2], err
     one_error(*_main(["run", "--threads", "0", "-p", "hi"], capsys, monkeypatch),
-              "--threads 0: expected a positive integer")
+              "--threads 0: expected a positive integer", status=2)
 
 
 def test_quiet_prints_the_reply_only(tiny_nvfp4, capsys, monkeypatch):
@@ -138,9 +139,9 @@ def test_one_name_for_the_audit_interval(settings_of, capsys, monkeypatch):
     assert code == code2 == 0, err + err2
     assert settings_of[0].audit_every == settings_of[1].audit_every == 8
     one_error(*_main(["run", "--audit-every", "-1"], capsys, monkeypatch),
-              "--audit-every -1: expected a non-negative integer")
+              "--audit-every -1: expected a non-negative integer", status=2)
     one_error(*_main(["audit", "--audit-every", "0", "-p", "hi"], capsys, monkeypatch),
-              "--audit-every 0: expected a positive integer")
+              "--audit-every 0: expected a positive integer", status=2)
 
 
 def test_audit_command_takes_the_new_and_the_old_name(tiny_bf16, capsys, monkeypatch):
@@ -190,4 +191,4 @@ def test_kernel_choices_reach_the_settings(command, capsys, monkeypatch):
     assert _main([command, *extra, "--device", "cpu"], capsys, monkeypatch)[0] == 0
     assert seen[-1].pdl is False
     one_error(*_main([command, *extra, "--kernels", "triton"], capsys, monkeypatch),
-              "--kernels 'triton': expected fused or torch")
+              "--kernels 'triton': expected fused or torch", status=2)

@@ -1,5 +1,6 @@
-"""Bad input ends in one plain `error: ...` line and exit 1: damaged or wrong
-config.json and shards, --context beyond the model, synth output paths; and small output fixes.
+"""Bad input ends in one plain `error: ...` line: exit 1 for damaged or wrong config.json and
+shards and synth output paths, exit 2 for a bad flag value (--context beyond the model, a bad
+combination of flags); and small output fixes.
 
 Most cases call `main()` in-process (no torch start per case); the no-argument help runs the real
 console script.
@@ -24,9 +25,10 @@ from tests.cli_harness import run_main as _main
 FTCHAT = Path(sys.executable).parent / "ftchat"
 
 
-def one_error(code: int, out: str, err: str, *expected: str) -> str:
-    """The run failed with exactly one `error: ` line holding every `expected` text."""
-    assert code == 1, (code, err)
+def one_error(code: int, out: str, err: str, *expected: str, status: int = 1) -> str:
+    """The run failed with exactly one `error: ` line holding every `expected` text, exit
+    `status` (1: a runtime failure; 2: a usage error, a bad flag or variable value)."""
+    assert code == status, (code, err)
     assert out == ""
     lines = err.splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), err
@@ -164,13 +166,14 @@ def test_context_far_beyond_the_demo_model(capsys, monkeypatch):
     # Before: "internal error: RuntimeError: ... you tried to allocate 51199999488 bytes".
     one_error(*_main(["run", "--context", "99999999", "--prompt", "hi"], capsys, monkeypatch),
               "--context 99999999: more than this model's limit of 4,096 tokens "
-              "(max_position_embeddings); pass --context 4096 or less")
+              "(max_position_embeddings); pass --context 4096 or less", status=2)
 
 
 def test_context_just_past_the_model_limit(tiny_bf16, capsys, monkeypatch):
     # Before: it ran with a KV cache past max_position_embeddings, silently.
     one_error(*_main(["run", tiny_bf16, "--context", "4097", "--prompt", "hi"], capsys,
-                     monkeypatch), "--context 4097: more than this model's limit of 4,096")
+                     monkeypatch), "--context 4097: more than this model's limit of 4,096",
+              status=2)
     code, out, err = _main(["run", tiny_bf16, "--context", "4096", "--prompt", "hi",
                             "--max-new-tokens", "2"], capsys, monkeypatch)
     assert code == 0 and "context 4096" in err and "error" not in err, err  # control
@@ -234,6 +237,53 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
     assert code == 0, err
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in (tmp_path / "ck").iterdir()}
     assert len(set(modes.values())) == 1, modes
+
+
+# ===== usage errors past the option parser: exit 2, as the parser's own =====
+
+
+@pytest.mark.parametrize("argv, expected, status", [
+    (["serve", "MODEL", "--port", "0"], "--port 0: expected 1 to 65535", 2),
+    (["serve", "MODEL", "--parallel", "0"], "--parallel 0: expected 1 or more", 2),
+    (["serve", "MODEL", "--queue", "-1"], "--queue -1: expected 0 or more", 2),
+    (["serve", "MODEL", "--cache-ram", "-1"], "--cache-ram -1.0: expected 0 or more GiB", 2),
+    (["serve", "EMPTY", "--port", "8080"], "EMPTY", 1),  # control: a model error stays 1
+    (["info", "MODEL", "--synthetic", "tiny"], "give MODEL or --synthetic, not both", 2),
+    (["info", "MODEL", "--layers", "4"], "--layers and --dense need --synthetic", 2),
+    (["info", "MODEL", "--batch-size", "0"], "--batch-size 0: expected a positive integer", 2),
+    (["info", "MODEL", "--context", "lots"], "--context 'lots': expected a token count", 2),
+    (["info", "EMPTY", "--context", "64"], "EMPTY", 1),  # control
+    (["verify", "MODEL", "--mode", "sloppy"], "--mode 'sloppy': expected meta or bytes", 2),
+    (["verify", "MODEL", "--prompts", "0"], "--prompts, --max-new-tokens", 2),
+    (["audit", "MODEL", "-p", "hi", "--every", "2", "--audit-every", "3"],
+     "--audit-every and its old name --every give different values", 2),
+    (["bench", "MODEL", "--steps", "0"], "--steps and --rounds must be >= 1", 2),
+    (["bench", "MODEL", "--routing", "nowhere"], "--routing 'nowhere': expected model", 2),
+    (["bench", "MODEL", "--routing", "calibrated:nope"], "--routing 'calibrated:nope': no fit", 2),
+    (["bench", "MODEL", "--context", "5000", "--steps", "1", "--rounds", "1"],
+     "--context 5000: with 2 bench tokens it exceeds the model's 4096 positions", 2),
+    (["bench", "--synthetic", "tiny", "--format", "fp3"], "--format 'fp3': expected", 2),
+    (["synth", "OUT", "--preset", "nope"], "unknown preset 'nope'", 2),
+    (["synth", "OUT", "--format", "fp3"], "unknown format 'fp3'", 2),
+    (["synth", "OUT", "--format", "bf16", "--dense", "nvfp4"],
+     "NVFP4 dense projections need an NVFP4 format", 2),
+    (["synth", "EMPTY/file", "--preset", "tiny"], "EMPTY/file", 1),  # control: a path error
+])
+def test_flag_errors_past_the_parser_are_usage_errors(argv, expected, status, tiny_bf16, tmp_path,
+                                                       capsys, monkeypatch):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "file").write_text("not a folder")
+    names = {"MODEL": str(tiny_bf16), "EMPTY": str(empty), "OUT": str(tmp_path / "out")}
+
+    def named(text: str) -> str:
+        for name, value in names.items():
+            text = text.replace(name, value) if text.startswith(name) else text
+        return text
+
+    one_error(*_main([named(a) for a in argv], capsys, monkeypatch), named(expected),
+              status=status)
+    assert not (tmp_path / "out").exists()  # synth wrote nothing
 
 
 # ===== no arguments; plural forms =====

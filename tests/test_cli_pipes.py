@@ -44,8 +44,10 @@ def read_line(stream, timeout: float) -> bytes | None:
     return buf
 
 
-def one_error(code, out, err, *expected, stdout=""):
-    assert code == 1 and out == stdout, (code, out, err)
+def one_error(code, out, err, *expected, stdout="", status=1):
+    """One `error:` line, the last on stderr, holding every `expected` text; exit `status`
+    (2: a usage error)."""
+    assert code == status and out == stdout, (code, out, err)
     lines = err.splitlines()
     errors = [ln for ln in lines if ln.startswith("error: ")]
     assert len(errors) == 1 and errors[0] == lines[-1], err
@@ -144,7 +146,7 @@ def test_ctrl_c_in_piped_mode_ends_the_last_line(endless, as_json):
 def test_empty_prompt_flag_is_an_error(capsys, monkeypatch):
     for value in ("", "   "):
         one_error(*_main(["run", "--prompt", value], capsys, monkeypatch),
-                  "--prompt", "expected a prompt with some text in it")
+                  "--prompt", "expected a prompt with some text in it", status=2)
 
 
 def test_empty_json_prompt_plain_is_that_lines_error(tiny_nvfp4, capsys, monkeypatch):
@@ -219,7 +221,7 @@ def test_stop_strings_end_replies_before_them(tiny_nvfp4, capsys, monkeypatch):
 
 def test_stop_string_flag_must_not_be_empty(capsys, monkeypatch):
     one_error(*_main(["run", "--stop", "", "--prompt", "hi"], capsys, monkeypatch),
-              "--stop", "a non-empty stop string")
+              "--stop", "a non-empty stop string", status=2)
 
 
 # ===== the demo model's reply to "hi" =====

@@ -68,6 +68,11 @@ def test_a_bad_value_is_one_error_line_before_loading(tiny_bf16, tmp_path, capsy
     assert err.splitlines() == [f"error: {model / 'generation_config.json'}: "
                                 "repetition_penalty=-1: expected a positive number (1: no "
                                 "penalty)"]
+    # the same value as a flag is the user's usage error: exit 2, where the model's file is 1
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2", "--repeat-penalty", "-1"],
+                           capsys, monkeypatch)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --repeat-penalty -1") and "expected a positive number" in err
 
 
 # ===== precedence: flag, then the file, then greedy =====
@@ -139,7 +144,7 @@ def test_a_model_that_samples_takes_sampling_flags_without_temp(tiny_bf16, tmp_p
     for argv in (["run", model, *run, "--top-k", "1", "--temp", "0"],
                  ["run", tiny_bf16, *run, "--top-k", "1"]):
         code, out, err = _main(argv, capsys, monkeypatch)
-        assert code == 1 and out == "" and err == (
+        assert code == 2 and out == "" and err == (
             "error: --top-k applies to sampling: give --temp above 0 too (decoding is greedy "
             "by default)\n"), err
 

@@ -255,13 +255,13 @@ def test_setting_flag_environment_default_and_bench_override():
 ])
 def test_a_bad_value_is_one_error_line(argv, capsys, monkeypatch):
     code, out, err = _main(argv, capsys, monkeypatch)
-    one_error(code, out, err, "--kv-cache-dtype", "expected auto or fp8")
+    one_error(code, out, err, "--kv-cache-dtype", "expected auto or fp8", status=2)
 
 
 def test_a_bad_environment_value_names_the_variable(capsys, monkeypatch):
     monkeypatch.setenv("FTCHAT_KV_CACHE_DTYPE", "fp4")
     code, out, err = _main(["run", "--prompt", "hi"], capsys, monkeypatch)
-    one_error(code, out, err, "FTCHAT_KV_CACHE_DTYPE", "expected auto or fp8")
+    one_error(code, out, err, "FTCHAT_KV_CACHE_DTYPE", "expected auto or fp8", status=2)
 
 
 @pytest.mark.parametrize("command", ["run", "bench", "verify", "audit", "info"])

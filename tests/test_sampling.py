@@ -213,7 +213,7 @@ def test_sampling_flags_and_json_keys(tiny_nvfp4, capsys, monkeypatch):
 ])
 def test_bad_sampling_flags_are_one_line(argv, message, capsys, monkeypatch):
     code, out, err = _main(["run", "--prompt", "hi", *argv], capsys, monkeypatch)
-    assert code == 1 and out == "" and err.count("\n") == 1 and "Traceback" not in err
+    assert code == 2 and out == "" and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: ") and message in err, err
 
 

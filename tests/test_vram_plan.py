@@ -282,10 +282,11 @@ def test_budget_from_the_environment(tiny_nvfp4, loads, capsys, monkeypatch):
     one_error(code, *capsys.readouterr(), "--vram-budget 0.0001 GiB is too small for the dense")
     assert loads == []
     one_error(*_main(run_argv(tiny_nvfp4, -1.0), capsys, monkeypatch),
-              "--vram-budget -1.0: expected a positive number of GiB")
+              "--vram-budget -1.0: expected a positive number of GiB", status=2)
     monkeypatch.setenv("FTCHAT_VRAM_BUDGET", "lots")
     code = main(["run", str(tiny_nvfp4), "--prompt", "hi", "--device", "cpu"])
-    one_error(code, *capsys.readouterr(), "FTCHAT_VRAM_BUDGET='lots': expected a positive number")
+    one_error(code, *capsys.readouterr(), "FTCHAT_VRAM_BUDGET='lots': expected a positive number",
+              status=2)
 
 
 def test_bench_and_verify_take_the_budget(tiny_nvfp4, loads, capsys, monkeypatch):
@@ -348,7 +349,7 @@ def test_info_of_a_synthetic_layout_states_its_slots(capsys, monkeypatch):
 
 def test_info_refuses_a_context_beyond_the_model(tiny_nvfp4, capsys, monkeypatch):
     one_error(*_main(["info", tiny_nvfp4, "--context", "8k"], capsys, monkeypatch),
-              "--context 8192: more than this model's limit of 4,096 tokens")
+              "--context 8192: more than this model's limit of 4,096 tokens", status=2)
 
 
 # ===== the CUDA-only pieces, with torch.cuda stubbed (no GPU here) =====

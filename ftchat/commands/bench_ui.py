@@ -43,9 +43,9 @@ class Synthetic:
 
     def load(self, settings: Settings, err: TextIO) -> LoadedModel:
         if self.fmt not in FORMATS:
-            raise FtchatError(f"--format {self.fmt!r}: expected {', '.join(FORMATS)}")
+            raise UsageError(f"--format {self.fmt!r}: expected {', '.join(FORMATS)}")
         if self.layers is not None and not 2 <= self.layers <= MAX_LAYERS:
-            raise FtchatError(f"--layers {self.layers}: expected 2 to {MAX_LAYERS}")
+            raise UsageError(f"--layers {self.layers}: expected 2 to {MAX_LAYERS}")
         with progress_bar(err, "building") as bar:
             return synthetic_model(self.preset, self.layers, self.fmt,
                                    settings.torch_device(), settings.torch_dtype(), progress=bar,
@@ -57,7 +57,7 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
               err: TextIO, synthetic: Synthetic | None = None, routing: str = "model") -> int:
     """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
     if steps < 1 or rounds < 1:
-        raise FtchatError("--steps and --rounds must be >= 1")
+        raise UsageError("--steps and --rounds must be >= 1")
     source = RoutingSource.parse(routing)  # usage errors before the model loads
     settings.check_graph()
     arm_specs = parse_arms(arms, settings)  # usage errors before the model loads
@@ -109,14 +109,14 @@ def bench_contexts(contexts: list[int] | None, positions: int, steps: int,
     room = positions - (rounds + 1) * steps - 2  # bench_context's KV capacity beyond ctx
     if contexts is None:
         if room < 1:
-            raise FtchatError(f"--steps {steps} x (--rounds {rounds} + 1) bench tokens do not fit "
-                              f"the model's {positions} positions: give fewer")
+            raise UsageError(f"--steps {steps} x (--rounds {rounds} + 1) bench tokens do not fit "
+                             f"the model's {positions} positions: give fewer")
         return [min(DEFAULT_CONTEXT, room)]
     for ctx in contexts:
         if ctx > room:
-            raise FtchatError(f"--context {ctx}: with {(rounds + 1) * steps} bench tokens it "
-                              f"exceeds the model's {positions} positions; give "
-                              f"{max(room, 1)} or less")
+            raise UsageError(f"--context {ctx}: with {(rounds + 1) * steps} bench tokens it "
+                             f"exceeds the model's {positions} positions; give "
+                             f"{max(room, 1)} or less")
     return contexts
 
 

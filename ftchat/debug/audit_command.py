@@ -11,7 +11,7 @@ from typing import TextIO
 from ftchat.commands.load import load_checked, pin_planned_slots
 from ftchat.debug.slot_audit import SlotAudit
 from ftchat.engine import LoadedModel, build_experts, generate, num_slots
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
 from ftchat.vram.workloads import run_context, verify_workload
@@ -38,15 +38,15 @@ def run_audit(model: str | None, settings: Settings, env: Mapping[str, str], *,
     `max_new` tokens a prompt), print what it found; the exit code (1: a bad slot, or no audit
     ran)."""
     if every < 1:
-        raise FtchatError(f"--audit-every {every}: expected a positive integer")
+        raise UsageError(f"--audit-every {every}: expected a positive integer")
     if max_new < 1:
-        raise FtchatError(f"--max-new-tokens {max_new}: expected a positive integer")
+        raise UsageError(f"--max-new-tokens {max_new}: expected a positive integer")
     if not prompts:
-        raise FtchatError("no prompts: give them with --prompt/-p TEXT (repeatable), "
-                          "--file/-f FILE or on stdin, one per line")
+        raise UsageError("no prompts: give them with --prompt/-p TEXT (repeatable), "
+                         "--file/-f FILE or on stdin, one per line")
     for i, text in enumerate(prompts):
         if not text.strip():
-            raise FtchatError(f"prompt {i + 1} is empty: give a prompt with some text in it")
+            raise UsageError(f"prompt {i + 1} is empty: give a prompt with some text in it")
     m, tok, plan = load_checked(model, settings, env, err, lambda a, layout: verify_workload(
         a, layout, settings, max_new, 1))
     settings = pin_planned_slots(settings, plan)

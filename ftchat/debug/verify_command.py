@@ -44,7 +44,7 @@ from ftchat.debug.slot_audit import SlotAudit
 from ftchat.debug.verifier import Verifier
 from ftchat.debug.watchers import HookChain
 from ftchat.engine import Decoder, LoadedModel, build_experts, decode, generate, num_slots
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.kernels.routed_experts import DECODE_MAX_TOKENS
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
@@ -317,9 +317,9 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
     arm, print the verdict; the exit code. A --batch the slots cannot hold raises
     BatchTooLarge, before the weights load where --slots or --expert-vram gives the count."""
     if mode not in ("meta", "bytes"):
-        raise FtchatError(f"--mode {mode!r}: expected meta or bytes")
+        raise UsageError(f"--mode {mode!r}: expected meta or bytes")
     if prompts < 1 or max_new < 1 or audit_every < 1 or (batch is not None and batch < 1):
-        raise FtchatError("--prompts, --max-new-tokens, --audit-every and --batch must be >= 1")
+        raise UsageError("--prompts, --max-new-tokens, --audit-every and --batch must be >= 1")
     arms = 4 if settings.graph is True else 2  # verify --graph keeps two more backends
 
     def workload(a, layout):

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.codecs import nvfp4
 from ftchat.codecs.rows import RowLayout
 from ftchat.model import synth_qwen3
@@ -49,8 +49,8 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
     """The text_config of a preset. `tiny` covers every layer type in a few MB; `flash-next` has
     the real geometry except a smaller n-gram table (ngram_vocab_size_base 20 000, not 20 M)."""
     if layers is not None and not 2 <= layers <= MAX_LAYERS:
-        raise FtchatError(f"--layers {layers}: expected 2 to {MAX_LAYERS} (the PLE layer is "
-                          "layer 2)")
+        raise UsageError(f"--layers {layers}: expected 2 to {MAX_LAYERS} (the PLE layer is "
+                         "layer 2)")
     if preset == "tiny":
         n = 6 if layers is None else layers
         cfg = dict(vocab_size=vocab or 512, hidden_size=64, num_attention_heads=4,
@@ -74,8 +74,8 @@ def preset_config(preset: str, layers: int | None, eos: int, vocab: int | None =
                    max_position_embeddings=262144, rope_theta=1e7)
         types = ["linear_attention"] * 3 + ["indexed_attention"]
     else:
-        raise FtchatError(f"unknown preset {preset!r}: use tiny, flash-next or one of "
-                          f"{', '.join(synth_qwen3.PRESETS)}")
+        raise UsageError(f"unknown preset {preset!r}: use tiny, flash-next or one of "
+                         f"{', '.join(synth_qwen3.PRESETS)}")
     theta = cfg.pop("rope_theta")
     cfg.update(
         model_type="qwen4_exp_text", num_hidden_layers=n,
@@ -112,7 +112,7 @@ def special_ids(preset: str) -> dict[str, int]:
 def hf_config(preset: str, layers: int | None, fmt: str, dense: str = "bf16") -> dict:
     """The config.json of a synthetic checkpoint (wrapper with text_config)."""
     if fmt not in FORMATS:
-        raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise UsageError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     check_dense(dense, fmt)
     vocab, _ = preset_vocab(preset)
     if synth_qwen3.is_preset(preset):  # a text-only config, prefix "model."
@@ -342,10 +342,10 @@ def write_checkpoint(out: str | Path, preset: str = "tiny", layers: int | None =
     dialect, as the real checkpoint does (docs/model.md 11.5; the loader keeps them NVFP4).
     """
     if fmt not in FORMATS:
-        raise FtchatError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
+        raise UsageError(f"unknown format {fmt!r}: use one of {', '.join(FORMATS)}")
     check_dense(dense, fmt)
     if ple_table not in PLE_TABLES:
-        raise FtchatError(f"unknown PLE table {ple_table!r}: use one of {', '.join(PLE_TABLES)}")
+        raise UsageError(f"unknown PLE table {ple_table!r}: use one of {', '.join(PLE_TABLES)}")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise FtchatError(f"{out}: exists and is not empty")
@@ -408,10 +408,10 @@ def _add_expert(w: _ShardWriter, item: ExpertTensors, fmt: str, prefix: str,
 
 def check_dense(dense: str, fmt: str) -> None:
     if dense not in DENSE:
-        raise FtchatError(f"unknown dense format {dense!r}: use one of {', '.join(DENSE)}")
+        raise UsageError(f"unknown dense format {dense!r}: use one of {', '.join(DENSE)}")
     if dense == "nvfp4" and fmt == "bf16":
-        raise FtchatError("NVFP4 dense projections need an NVFP4 format: give --format "
-                          f"{nvfp4.MODELOPT} or {nvfp4.COMPRESSED_TENSORS}")
+        raise UsageError("NVFP4 dense projections need an NVFP4 format: give --format "
+                         f"{nvfp4.MODELOPT} or {nvfp4.COMPRESSED_TENSORS}")
 
 
 def quantized_dense(name: str, dense: str) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.model.expert_backend import ExpertBackend, ForwardingBackend, Pending, SharedOut
 from ftchat.offload.backend import OffloadExperts
 from ftchat.routing.calibrated import FITS, Geometry, RoutingStep, generate
@@ -40,12 +40,12 @@ class RoutingSource:
         if kind == "calibrated":
             fit = arg or "default"
             if fit not in FITS:
-                raise FtchatError(f"--routing {spec!r}: no fit {fit!r} (fits: "
-                                  f"{', '.join(FITS)})")
+                raise UsageError(f"--routing {spec!r}: no fit {fit!r} (fits: "
+                                 f"{', '.join(FITS)})")
             return cls("calibrated", fit, seed)
         if kind == "trace" and arg:
             return cls("trace", arg)
-        raise FtchatError(f"--routing {spec!r}: expected model, calibrated[:FIT] or trace:FILE")
+        raise UsageError(f"--routing {spec!r}: expected model, calibrated[:FIT] or trace:FILE")
 
     def __str__(self) -> str:
         return self.kind + (f":{self.arg}" if self.arg else "")

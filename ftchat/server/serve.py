@@ -15,7 +15,7 @@ from typing import TextIO
 import uvicorn
 from rich.console import Console
 
-from ftchat.errors import FtchatError
+from ftchat.errors import UsageError
 from ftchat.generation_defaults import generation_defaults
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.process_io import signal_name
@@ -73,13 +73,13 @@ class _Server(uvicorn.Server):
 def serve(model: str | None, settings: Settings, options: ServeOptions,
           env: Mapping[str, str], stderr: TextIO) -> int:
     if options.parallel < 1:
-        raise FtchatError(f"--parallel {options.parallel}: expected 1 or more")
+        raise UsageError(f"--parallel {options.parallel}: expected 1 or more")
     if options.queue < 0:
-        raise FtchatError(f"--queue {options.queue}: expected 0 or more")
+        raise UsageError(f"--queue {options.queue}: expected 0 or more")
     if not 0 < options.port < 65536:
-        raise FtchatError(f"--port {options.port}: expected 1 to 65535")
+        raise UsageError(f"--port {options.port}: expected 1 to 65535")
     if options.cache_ram_gib < 0:
-        raise FtchatError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
+        raise UsageError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
     resolved = resolve_model(model, env)
     tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
     # a request without sampling fields decodes as `ftchat run` does on this model

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.errors import FtchatError, ModelError
+from ftchat.errors import FtchatError, ModelError, UsageError
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
 from ftchat.model.registry import family_of
@@ -122,16 +122,16 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     --kv-cache-dtype was; kv_cache_dtype: the resolved setting, auto or fp8)."""
     for gib in vram or []:
         if not 0 < gib < float("inf"):  # nan and inf too
-            raise FtchatError(f"--vram {gib}: expected a positive number of GiB")
+            raise UsageError(f"--vram {gib}: expected a positive number of GiB")
     for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
         if n is not None and n < 1:
-            raise FtchatError(f"{flag} {n}: expected a positive integer")
+            raise UsageError(f"{flag} {n}: expected a positive integer")
     if batch is not None and batch > MAX_BATCH:
-        raise FtchatError(f"--batch-size {batch}: expected 1 to {MAX_BATCH:,}")
+        raise UsageError(f"--batch-size {batch}: expected 1 to {MAX_BATCH:,}")
     if synthetic is not None and model is not None:
-        raise FtchatError("give MODEL or --synthetic, not both")
+        raise UsageError("give MODEL or --synthetic, not both")
     if synthetic is None and (layers is not None or dense != "bf16"):
-        raise FtchatError("--layers and --dense need --synthetic")
+        raise UsageError("--layers and --dense need --synthetic")
     planned = kv_given or synthetic is not None or any(x is not None for x in (
         context, batch, slots, prefill))
     L = context_tokens(context) if context else None  # a bad value before any output

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.model import synth
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.settings import Settings
@@ -41,7 +41,7 @@ def synthetic_inputs(preset: str, layers: int | None, fmt: str, dense: str = "bf
                      ) -> tuple[object, RowLayout]:
     """Args and row layout of the model `ftchat synth` (or bench --synthetic) would build."""
     if fmt not in synth.FORMATS:
-        raise FtchatError(f"--format {fmt!r}: expected {', '.join(synth.FORMATS)}")
+        raise UsageError(f"--format {fmt!r}: expected {', '.join(synth.FORMATS)}")
     synth.check_dense(dense, fmt)
     a = synth.model_args(preset, layers, fmt)
     return a, synth.row_layout(a, fmt)
