@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.server_util import ROOT, start_server
+from tests.server_util import ROOT, start_server, wait_ready
 
 STOP_WITHIN_S = 10
 
@@ -66,3 +66,26 @@ def test_serve_names_a_missing_server_package(blocked, tmp_path):
     missing = "error: ftchat serve needs the package 'uvicorn', which is not installed"
     assert lines[0].startswith(missing) == blocked, p.stderr
     assert "internal error" not in p.stderr
+
+
+@pytest.mark.parametrize("flag, status, message", [
+    (("--threads", "100000"), 2, "error: --threads 100000: "),  # a bad flag: usage, exit 2
+    (("--context", "99999999"), 2, "error: --context 99999999: "),
+    ((), 0, None),  # the control: the same model loads and serves
+])
+def test_a_model_that_cannot_load_ends_serve_with_its_error(flag, status, message, tiny_bf16,
+                                                            tmp_path):
+    # the load runs on the engine thread after the HTTP server is up; its failure must still
+    # end the process with `run`'s one-line error and exit status, not a server stuck at 503
+    server = start_server(tmp_path, str(tiny_bf16), "--device", "cpu", *flag, wait=False)
+    try:
+        if message is None:
+            wait_ready(server)
+            server.proc.send_signal(signal.SIGTERM)
+        returncode = server.proc.wait(60)
+    finally:
+        server.stop()
+    lines = server.log.read_text().strip().splitlines()
+    assert returncode == status, lines
+    if message is not None:
+        assert lines[-1].startswith(message) and "Traceback" not in "\n".join(lines), lines

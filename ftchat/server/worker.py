@@ -109,6 +109,7 @@ class EngineWorker:
         self.admitted = 0  # jobs queued or decoding
         self.state = "loading"  # loading | ready | failed
         self.error: str | None = None
+        self.load_error: Exception | None = None  # why loading failed: serve exits with it
         self.max_len = 0
         self.thread = threading.Thread(target=self._main, name="ftchat-engine", daemon=True)
         self.rows: list[Row | None] = [None] * parallel
@@ -145,9 +146,9 @@ class EngineWorker:
     def _main(self) -> None:
         try:
             self._load()
-        except Exception as e:  # noqa: BLE001 - reported by /health and the log
+        except Exception as e:  # noqa: BLE001 - reported by /health and the log; serve exits
+            self.load_error = e
             self.state, self.error = "failed", f"{type(e).__name__}: {e}"
-            self.log(f"ftchat serve: loading failed: {self.error}")
             return
         self.state = "ready"
         while True:
