@@ -41,7 +41,8 @@
 #              VERIFY_S=560 a process] -> verify_<model>.json (totals and every shard)
 #   agent-soak `ftchat serve` on the demo model (--parallel PARALLEL=4), then scripts/agent_soak.py
 #              (the openai package) against it for MINUTES=2 once per SIDES=0,1,3 side calls
-#              fired beside each main turn, one JSON line every INTERVAL=30 s
+#              fired beside each main turn, one JSON line every INTERVAL=30 s; each run
+#              under MINUTES + 1 min, the model's load under 2 min: keep the sum within a call
 #              -> agent_soak_demo.jsonl, agent_soak_serve.log
 #   soak       scripts/soak.py on the demo model, prefetch on, budget 4, 96 slots [MINUTES=15];
 #              one that cannot finish within the call starts detached, and `soak-wait`
@@ -50,7 +51,8 @@
 # Every step runs under a timeout; a failed step is named and the next one runs.
 # Exit status: 0 all passed, 1 a step failed, 2 usage, 3 a detached soak is still running.
 set -u
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # a caller's path after the tree: e.g. carried packages
+# a caller's PYTHONPATH after the tree: packages the device lacks, carried (serve, openai)
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}
 W=/tmp/ftchat_device  # scratch: shard lists, per-process outputs (not returned)
 MODES="gpu-tests decode48 offload48 prefill48 families e2e48 verify soak soak-wait agent-soak"
@@ -409,7 +411,7 @@ soak_wait() {
 }
 
 agent_soak() {  # ftchat serve on the demo model, scripts/agent_soak.py against it once per SIDES
-  local dir=$W/agent_soak port=${PORT:-8089} sides=${SIDES:-0,1,3} side pid up=0 i
+  local dir=$W/agent_soak port=${PORT:-8089} sides=${SIDES:-0,1,3} side pid up=0 i secs rc
   local url=http://127.0.0.1:$port/v1 out=$O/agent_soak_demo.jsonl
   rm -rf "$dir" && mkdir -p "$dir" && rm -f "$out"
   python3 -m ftchat.cli serve --port "$port" --parallel "${PARALLEL:-4}" \
@@ -423,16 +425,19 @@ agent_soak() {  # ftchat serve on the demo model, scripts/agent_soak.py against 
   done
   if [ $up = 0 ]; then
     echo "[agent-soak] the server did not come up"; tail -n 5 "$O/agent_soak_serve.log"
-    kill $pid 2> /dev/null; FAILED+=(agent-soak); return
+    kill $pid 2> /dev/null; wait $pid 2> /dev/null; FAILED+=(agent-soak); return
   fi
+  secs=$(awk -v m="${MINUTES:-2}" 'BEGIN { print int(m * 60 + 60) }')
   for side in ${sides//,/ }; do
-    run_step "agent-soak side $side" $(awk -v m="${MINUTES:-2}" 'BEGIN { print int(m * 60 + 120) }') \
-      "$dir/side$side.out" "$dir/side$side.err" python3 scripts/agent_soak.py --url "$url" \
-      --minutes "${MINUTES:-2}" --side "$side" --server-pid $pid --interval "${INTERVAL:-30}" \
-      --out "$out" && tail -n 1 "$dir/side$side.out"
+    run_step "agent-soak side $side" "$secs" "$dir/side$side.out" "$dir/side$side.err" \
+      python3 scripts/agent_soak.py --url "$url" --minutes "${MINUTES:-2}" --side "$side" \
+      --server-pid $pid --interval "${INTERVAL:-30}" --out "$out" \
+      && tail -n 1 "$dir/side$side.out"
   done
-  kill -INT $pid; wait $pid
-  echo "[agent-soak] serve exit $?: $(tail -n 1 "$O/agent_soak_serve.log")"
+  kill -INT $pid 2> /dev/null; wait $pid
+  rc=$?
+  echo "[agent-soak] serve exit $rc: $(tail -n 1 "$O/agent_soak_serve.log")"
+  [ $rc = 0 ] || FAILED+=(agent-soak-serve)
 }
 
 [ $# -ge 1 ] || usage

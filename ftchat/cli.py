@@ -147,8 +147,10 @@ SERVE_HELP = "\n\n".join((
     "--queue more wait, the next gets 503. A request that continues a kept conversation, or "
     "shares a checkpointed prefix with an earlier one, prefills only its new tokens.",
     "Ctrl-C, SIGTERM or SIGHUP stops the server: open requests get a second to finish, then "
-    "it exits 0.",
+    "it exits 0. A model that fails to load ends it with the error `run` would give.",
 ))
+# what `ftchat serve` imports beyond ftchat's other commands: missing, the install is broken
+SERVER_PACKAGES = frozenset({"fastapi", "starlette", "uvicorn", "pydantic"})
 
 
 @app.command(cls=_Command, help=SERVE_HELP)
@@ -187,6 +189,8 @@ def serve(
     try:
         from ftchat.server.serve import ServeOptions, serve as serve_http
     except ModuleNotFoundError as e:  # a declared dependency missing: a broken install
+        if (e.name or "").split(".")[0] not in SERVER_PACKAGES:
+            raise
         raise FtchatError(f"ftchat serve needs the package {e.name!r}, which is not installed; "
                           "reinstall ftchat (pip install -e .) to get fastapi and uvicorn") from e
 

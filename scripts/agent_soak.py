@@ -14,8 +14,9 @@ its greedy reply must equal the recorded one (prefix reuse and batching must not
 
 One JSON line per --interval (kind "interval": main turns, side calls, tool calls, main-turn
 decode tok/s, worst gap between two streamed tokens, side-call latency (median, worst), server
-RSS (with --server-pid) and VRAM (`/metrics`)), then a summary with the RSS and VRAM slopes (MiB/min, least squares, after the
-first interval; RSS less the prefix checkpoints' bytes, which grow up to --cache-ram by design).
+RSS (with --server-pid) and VRAM (`/metrics`)), then a summary with the RSS and VRAM slopes
+(MiB/min, least squares, after the first interval; RSS less the prefix checkpoints' bytes, which
+grow up to --cache-ram by design).
 Exit 1 on an error, a replay mismatch or a slope over its bound.
 """
 

@@ -4,13 +4,14 @@ terminal): a graceful shutdown, one note line, exit 0 (as llama-server), never a
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 
 import pytest
 
-from tests.server_util import ROOT, start_server, wait_ready
+from tests.server_util import start_server, tree_pythonpath, wait_ready
 
 STOP_WITHIN_S = 10
 
@@ -60,7 +61,7 @@ def test_serve_names_a_missing_server_package(blocked, tmp_path):
     code = f"import sys; {block}from ftchat.cli import main; sys.exit(main(sys.argv[1:]))"
     p = subprocess.run([sys.executable, "-c", code, "serve", str(tmp_path / "no-such-model"),
                         "--device", "cpu"], capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       env={**os.environ, "PYTHONPATH": tree_pythonpath()})
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 1 and len(lines) == 1, p.stderr
     missing = "error: ftchat serve needs the package 'uvicorn', which is not installed"
@@ -89,3 +90,20 @@ def test_a_model_that_cannot_load_ends_serve_with_its_error(flag, status, messag
     assert returncode == status, lines
     if message is not None:
         assert lines[-1].startswith(message) and "Traceback" not in "\n".join(lines), lines
+
+
+def test_a_checkpoint_that_cannot_be_read_ends_serve_with_exit_1(tiny_bf16, tmp_path):
+    # a runtime failure of the load (a truncated shard), not a flag: exit 1, one line naming it
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_bf16, broken)
+    shard = max(broken.glob("*.safetensors"), key=lambda f: f.stat().st_size)
+    os.truncate(shard, shard.stat().st_size // 2)
+    server = start_server(tmp_path, str(broken), "--device", "cpu", wait=False)
+    try:
+        returncode = server.proc.wait(60)
+    finally:
+        server.stop()
+    text = server.log.read_text()
+    last = text.strip().splitlines()[-1]
+    assert returncode == 1 and "Traceback" not in text, text
+    assert last.startswith("error: ") and shard.name in last and "internal error" not in last, text

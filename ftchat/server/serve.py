@@ -1,6 +1,7 @@
 """`ftchat serve`: resolve the model, start the engine thread (it loads the model while the
-HTTP server already answers /health with 503), then run uvicorn until Ctrl-C, SIGTERM or SIGHUP,
-or until loading fails (then serve ends with that error, as `run` would). On a terminal a live status line (status.py) is drawn on stderr below the log lines."""
+HTTP server already answers /health with 503), then run uvicorn until Ctrl-C, SIGTERM or
+SIGHUP, or until loading fails (serve then ends with that error, as `run` would). On a
+terminal a live status line (status.py) is drawn on stderr below the log lines."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import TextIO
 import uvicorn
 from rich.console import Console
 
-from ftchat.errors import FtchatError, UsageError
+from ftchat.errors import UsageError
 from ftchat.generation_defaults import generation_defaults
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.process_io import signal_name
@@ -52,10 +53,10 @@ class _Server(uvicorn.Server):
     for SIGHUP, which it does not handle, a traceback out of its event loop)."""
 
     stopped_by: int | None = None
-    failed: Callable[[], bool] = staticmethod(lambda: False)  # the model failed to load: stop
+    load_failed: Callable[[], bool] = staticmethod(lambda: False)  # then stop serving
 
     async def on_tick(self, counter: int) -> bool:
-        return self.failed() or await super().on_tick(counter)
+        return self.load_failed() or await super().on_tick(counter)
 
     @contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -112,15 +113,12 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
             config = uvicorn.Config(app, host=options.host, port=options.port,
                                     log_level="warning", timeout_graceful_shutdown=1)
             server = _Server(config)
-            server.failed = lambda: worker.state == "failed"
+            server.load_failed = lambda: worker.state == "failed"
             server.run()
     finally:
         worker.stop()
-    if worker.load_error is not None:  # as llama-server: a model that cannot load ends serve
-        e = worker.load_error
-        if isinstance(e, FtchatError):  # a bad flag (exit 2) or a bad model (1), as `run` says
-            raise e
-        raise FtchatError(f"the model failed to load: {worker.error}") from e
+    if worker.load_error is not None:  # as llama-server: a model that cannot load ends serve,
+        raise worker.load_error  # reported by the CLI as `run` reports the same failure
     if server.stopped_by is not None and not settings.quiet:
         try:
             print(f"ftchat serve: stopped by {signal_name(server.stopped_by)}", file=stderr,

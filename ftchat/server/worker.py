@@ -147,8 +147,8 @@ class EngineWorker:
         try:
             self._load()
         except Exception as e:  # noqa: BLE001 - reported by /health and the log; serve exits
-            self.load_error = e
-            self.state, self.error = "failed", f"{type(e).__name__}: {e}"
+            self.load_error, self.error = e, f"{type(e).__name__}: {e}"
+            self.state = "failed"  # last: the error is set when serve sees the state
             return
         self.state = "ready"
         while True:
