@@ -94,3 +94,43 @@ def test_a_nan_row_fails_alone(monkeypatch, clean):
     assert text(events["good"]) == text(clean[0]["good"])
     assert metrics.requests == {"length": 1, "error": 1}
     assert any("bad: failed: the model's output holds NaN or Inf" in ln for ln in lines)
+
+
+@pytest.mark.parametrize("fault", [True, False], ids=["admission-fails", "control"])
+def test_a_failed_admission_ends_that_job_and_the_worker_goes_on(monkeypatch, fault):
+    # a bug while a job is given a row (here: choosing the row) must end that job with an
+    # error event, not the engine thread (which would leave every later request waiting)
+    tok = Tokenizer.from_folder(DEMO)
+    worker = EngineWorker(ResolvedModel(DEMO, "demo", demo=True),
+                          Settings(threads=1, context=256), 2, 1, 0, Metrics(), lambda _: None)
+    real, calls = EngineWorker._pick_row, []
+
+    def pick_row(self, ids):
+        calls.append(ids)
+        if fault and len(calls) == 1:
+            raise RuntimeError("no row for you")
+        return real(self, ids)
+
+    monkeypatch.setattr(EngineWorker, "_pick_row", pick_row)
+    ends, done = [], threading.Event()
+
+    def emit(ev):
+        if isinstance(ev, (Finished, Failed)):
+            ends.append(ev)
+            done.set()
+
+    worker.start()
+    try:
+        for name in ("first", "second"):  # one after the other
+            done.clear()
+            assert worker.submit(Job(name, tok.encode(tok.render_chat(BAD)), 2, (), Sampling(),
+                                     (), emit))
+            assert done.wait(120), (name, ends)
+    finally:
+        worker.stop()
+    if fault:
+        assert isinstance(ends[0], Failed) and "no row for you" in ends[0].message, ends[0]
+    else:
+        assert isinstance(ends[0], Finished), ends[0]
+    assert isinstance(ends[1], Finished) and ends[1].completion_tokens == 2, ends[1]
+    assert worker.admitted == 0
