@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ftchat.codecs.nvfp4 import Nvfp4Weight
 from ftchat.codecs.rows import RowLayout
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, SettingsError
 from ftchat.graph import DecodeGraph
 from ftchat.kernels.config import DEFAULT, KernelConfig
 from ftchat.model import embedding
@@ -113,8 +113,11 @@ def num_slots(m: LoadedModel, settings: Settings) -> int:
     else:
         n = total
     if n < need:
-        raise FtchatError(f"{n} expert slots are fewer than batch size x top-k = {need}: "
-                          f"give --slots >= {need} or more --expert-vram")
+        # a count the flags gave must change (exit 2); free VRAM too small is the device's (1)
+        given = settings.slots is not None or settings.expert_vram_gib is not None
+        raise (SettingsError if given else FtchatError)(
+            f"{n} expert slots are fewer than batch size x top-k = {need}: "
+            f"give --slots >= {need} or more --expert-vram")
     return min(n, total)
 
 

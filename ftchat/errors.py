@@ -12,13 +12,14 @@ class ModelError(FtchatError):
 
 
 class UsageError(FtchatError):
-    """A bad flag value or a bad combination of flags, found past the option parser: the CLI
-    exits 2, as for the parser's own usage errors (runtime failures exit 1)."""
+    """A flag the user must change, found past the option parser: a value invalid on its own, a
+    bad combination, or a value this model or machine cannot take. The CLI exits 2, as for the
+    parser's own usage errors; a failure no flag names (a file, a prompt, the device) exits 1."""
 
 
 class SettingsError(UsageError):
-    """An invalid flag or environment variable value: a usage error (exit 2), as the option
-    parser's own."""
+    """An invalid flag or environment variable value of the Settings, or one this model or
+    machine cannot take: a usage error (exit 2), as the option parser's own."""
 
 
 class StdoutError(FtchatError):

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, get_args
 
-from ftchat.errors import FtchatError, SettingsError
+from ftchat.errors import SettingsError
 
 # torch, and every ftchat module that imports it, is imported on use (in the methods below):
 # `ftchat --help` and a flag error stay instant
@@ -104,7 +104,7 @@ class Settings:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise FtchatError("--device cuda: no CUDA device is available (use --device cpu)")
+            raise SettingsError("--device cuda: no CUDA device is available (use --device cpu)")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:

@@ -273,7 +273,8 @@ def test_graph_on_the_cpu(tiny_bf16, capsys, monkeypatch):
     (["-n", "0", "-p", "hi"], "--max-new-tokens 0", 2),
     (["-p", ""], "prompt 1 is empty", 2),
     (["-p", "   "], "prompt 1 is empty", 2),
-    (["-n", "5000", "-p", "hi"], "exceed the context (4096)", 1),  # the model's: a runtime error
+    (["-n", "5000", "-p", "hi"], "--max-new-tokens 5000: with prompt 1's", 2),  # the flag's
+    (["-c", "16", "-p", "hello " * 20], "prompt 1 has", 1),  # the prompt alone: a runtime error
 ])
 def test_audit_bounds(tiny_bf16, capsys, monkeypatch, argv, named, status):
     code, out, err = _main(["audit", tiny_bf16, *argv], capsys, monkeypatch)
@@ -643,7 +644,8 @@ def test_every_module_imports():
 def test_verify_tokens_beyond_the_models_positions(tiny_bf16, capsys, monkeypatch):
     code, out, err = _main(["verify", tiny_bf16, "--prompts", "1", "-n", "100000"], capsys,
                            monkeypatch)
-    clean_error(code, err, "--max-new-tokens 100000", "4096 positions")  # before: ran for hours
+    # before: ran for hours; the flag must change: a usage error
+    clean_error(code, err, "--max-new-tokens 100000", "4096 positions", status=2)
 
 
 def test_verify_ends_with_one_verdict_line(tiny_bf16, capsys, monkeypatch):

@@ -8,7 +8,7 @@ from ftchat import engine
 from ftchat.commands import bench
 from ftchat.commands.bench import bench_context, parse_arms
 from ftchat.engine import load_model
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.kernels.config import KernelConfig
 from ftchat.settings import Settings
 
@@ -131,10 +131,23 @@ def test_an_arms_kernel_config_reaches_its_weights_and_backend(tiny_bf16):
     assert m.weights.kernels == KernelConfig()  # the model's own: unchanged
 
 
+def test_bench_context_refuses_bad_steps_and_contexts_as_usage_errors(tiny_bf16):
+    """Past bench_ui's own checks (other callers): the flags must change, exit 2."""
+    m = load_model(tiny_bf16)
+    base = Settings(device="cpu")
+    arms = parse_arms("off", base)
+    with pytest.raises(UsageError, match="--steps and --rounds must be >= 1"):
+        bench_context(m, arms, 16, base, steps=0, rounds=1)
+    with pytest.raises(UsageError, match=r"--context 4096 \+ 4 bench tokens exceeds the model's "
+                                         "4096 positions"):
+        bench_context(m, arms, 4096, base, steps=2, rounds=1)
+    assert bench_context(m, arms, 16, base, steps=1, rounds=1)  # control: these run
+
+
 def test_a_skip_arm_off_cuda_is_an_error(tiny_bf16):
     """On the CPU the step runs no fused kernel: a skip arm would time the unchanged step."""
     m = load_model(tiny_bf16)
     base = Settings(device="cpu")
-    with pytest.raises(FtchatError, match="skip= leaves out fused CUDA kernels"):
+    with pytest.raises(UsageError, match="skip= leaves out fused CUDA kernels"):
         bench_context(m, parse_arms("resident;resident:skip=hc", base), 16, base, steps=1,
                       rounds=1)

@@ -263,6 +263,15 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
     (["bench", "MODEL", "--context", "5000", "--steps", "1", "--rounds", "1"],
      "--context 5000: with 2 bench tokens it exceeds the model's 4096 positions", 2),
     (["bench", "--synthetic", "tiny", "--format", "fp3"], "--format 'fp3': expected", 2),
+    # a value this model or machine cannot take: the flag must change, a usage error too
+    (["run", "MODEL", "-p", "hi", "--device", "cuda"], "--device cuda: no CUDA device", 2),
+    (["run", "MODEL", "-p", "hi", "--slots", "1"],
+     "1 expert slots are fewer than batch size x top-k", 2),
+    (["run", "MODEL", "-q", "-p", "hello there", "-c", "8"], "--prompt has", 1),  # control
+    (["audit", "MODEL", "-p", "hi", "-n", "5000"],
+     "--max-new-tokens 5000: with prompt 1's", 2),
+    (["verify", "MODEL", "--prompts", "1", "-n", "5000"],
+     "--max-new-tokens 5000: with prompts of up to", 2),
     (["synth", "OUT", "--preset", "nope"], "unknown preset 'nope'", 2),
     (["synth", "OUT", "--format", "fp3"], "unknown format 'fp3'", 2),
     (["synth", "OUT", "--format", "bf16", "--dense", "nvfp4"],
@@ -271,6 +280,7 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
 ])
 def test_flag_errors_past_the_parser_are_usage_errors(argv, expected, status, tiny_bf16, tmp_path,
                                                        capsys, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # a CPU-only machine
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "file").write_text("not a folder")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ftchat.engine import Decoder, build_experts, decode, generate, prefill, resident_backend
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, SettingsError
 from ftchat.model.state import DecodeState
 from ftchat.offload import backend
 from ftchat.offload import cache as sc
@@ -50,7 +50,7 @@ def test_rule_has_fewer_misses_than_lru_here_too(tiny_bf16):
 
 
 def test_too_few_slots_is_a_clear_error(tiny_bf16):
-    with pytest.raises(FtchatError, match="fewer than batch size x top-k = 8"):
+    with pytest.raises(SettingsError, match="fewer than batch size x top-k = 8"):  # --slots: 2
         run(tiny_bf16, 2, steps=1, slots=7)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ftchat.errors import FtchatError, SettingsError
+from ftchat.errors import SettingsError
 from ftchat.settings import Settings, resolve_settings
 
 
@@ -160,7 +160,7 @@ def test_device_and_dtype_resolution(monkeypatch):
     assert (auto.torch_device(), auto.torch_dtype(), auto.use_graph()) == (
         torch.device("cpu"), torch.float32, False)
     assert Settings(dtype="bfloat16").torch_dtype() == torch.bfloat16
-    with pytest.raises(FtchatError, match="--device cuda"):
+    with pytest.raises(SettingsError, match="--device cuda"):  # a usage error: exit 2
         Settings(device="cuda").torch_device()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert (auto.torch_device(), auto.torch_dtype(), auto.use_graph()) == (

@@ -16,7 +16,7 @@ import torch
 
 from ftchat.cli import main
 from ftchat.engine import build_experts, load_model
-from ftchat.errors import FtchatError
+from ftchat.errors import SettingsError
 from ftchat.model.kv_cache import AttentionCache
 from ftchat.model.qwen4_exp_memory import DENSE_KINDS, dense_kind
 from ftchat.model.state import DecodeState, GdnCache
@@ -216,7 +216,7 @@ def test_refused_a_budget_too_small_for_the_dense_weights(tiny_nvfp4, loads, cap
     dense = plan(a, layout, F32, Workload(64, cuda=False), 4).dense_bytes()
     one_error(*_main(run_argv(tiny_nvfp4, dense / 2 / GIB, "--context", "64"), capsys,
                      monkeypatch), "is too small for the dense weights",
-              "raise --vram-budget to")
+              "raise --vram-budget to", status=2)  # only the budget can change: a usage error
     assert loads == []
     w = Workload(64, cuda=False)
     code, out, err = _main(run_argv(tiny_nvfp4, budget_gib(a, layout, w, 4), "--context", "64"),
@@ -254,7 +254,8 @@ def test_refused_fewer_slots_than_batch_times_top_k(tiny_nvfp4, loads, capsys, m
               f"leaves room for {K - 1} expert slots, fewer than batch size x top-k = {K}")
     one_error(*_main(["run", tiny_nvfp4, "--prompt", "hi", "--device", "cpu", "--slots", K - 1],
                      capsys, monkeypatch),
-              f"{K - 1} expert slots are fewer than batch size x top-k = {K}")  # no budget
+              f"{K - 1} expert slots are fewer than batch size x top-k = {K}",
+              status=2)  # no budget: --slots alone is at fault
     w2 = Workload(64, (1, 2), cuda=False)  # --batch-size 2: decoders of 1 and 2 rows
     one_error(*_main(run_argv(tiny_nvfp4, budget_gib(a, layout, w2, 2 * K - 1), "--context", "64",
                               "--batch-size", "2"), capsys, monkeypatch),
@@ -279,7 +280,8 @@ def test_budget_from_the_environment(tiny_nvfp4, loads, capsys, monkeypatch):
     capsys.readouterr()
     monkeypatch.setenv("FTCHAT_VRAM_BUDGET", "0.0001")
     code = main(["run", str(tiny_nvfp4), "--prompt", "hi", "--device", "cpu"])
-    one_error(code, *capsys.readouterr(), "--vram-budget 0.0001 GiB is too small for the dense")
+    one_error(code, *capsys.readouterr(), "--vram-budget 0.0001 GiB is too small for the dense",
+              status=2)
     assert loads == []
     one_error(*_main(run_argv(tiny_nvfp4, -1.0), capsys, monkeypatch),
               "--vram-budget -1.0: expected a positive number of GiB", status=2)
@@ -294,7 +296,8 @@ def test_bench_and_verify_take_the_budget(tiny_nvfp4, loads, capsys, monkeypatch
                  "--rounds", "1"],
                 ["verify", tiny_nvfp4, "--prompts", "1", "-n", "2"]):
         one_error(*_main([*cmd, "--device", "cpu", "--vram-budget", "0.0001"], capsys,
-                         monkeypatch), "--vram-budget 0.0001 GiB is too small for the dense")
+                         monkeypatch), "--vram-budget 0.0001 GiB is too small for the dense",
+                  status=2)
     assert loads == []
 
 
@@ -367,7 +370,7 @@ def test_cap_process_sets_the_fraction_of_the_device(monkeypatch):
     # current device's index is passed (the H200 run failed here before)
     cap_process(torch.device("cuda"), 16 * GIB)
     assert calls == [(0.25, 0), (0.25, 3)]
-    with pytest.raises(FtchatError, match="--vram-budget 80 GiB: more than the device's 64.0"):
+    with pytest.raises(SettingsError, match="--vram-budget 80 GiB: more than the device's 64.0"):
         cap_process(torch.device("cuda:0"), 80 * GIB)
     assert len(calls) == 2
 

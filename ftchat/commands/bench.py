@@ -135,8 +135,8 @@ def make_arm(m: LoadedModel, name: str, spec: ArmSpec, base: Settings, ctx: int,
     from the source's first step)."""
     s, kc = spec.settings, spec.kernels
     if kc.skip is not None and not kc.runs_fused(torch.empty(0, device=m.device)):
-        raise FtchatError(f"bench arm {name!r}: skip= leaves out fused CUDA kernels, and on "
-                          f"{m.device} the decode step runs none")
+        raise UsageError(f"bench arm {name!r}: skip= leaves out fused CUDA kernels, and on "
+                         f"{m.device} the decode step runs none")
     before, t = _allocated(m), time.perf_counter()
     am = dataclasses.replace(m, weights=m.weights.with_kernels(kc))
     if s is None:
@@ -179,11 +179,11 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures.
     `progress(done, total)` after each round (the warm-up round included)."""
     if steps < 1 or rounds < 1:
-        raise FtchatError("--steps and --rounds must be >= 1")
+        raise UsageError("--steps and --rounds must be >= 1")
     max_len = ctx + (rounds + 1) * steps + 2
     if max_len > m.args.max_position_embeddings:
-        raise FtchatError(f"context {ctx} + {(rounds + 1) * steps} bench tokens exceeds the "
-                          f"model's {m.args.max_position_embeddings} positions")
+        raise UsageError(f"--context {ctx} + {(rounds + 1) * steps} bench tokens exceeds the "
+                         f"model's {m.args.max_position_embeddings} positions")
     resident = resident_backend(m) if any(a.settings is None for a in arms.values()) else None
     built = [make_arm(m, name, spec, base, ctx, max_len, resident, routing)
              for name, spec in arms.items()]

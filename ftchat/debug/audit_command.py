@@ -53,10 +53,14 @@ def run_audit(model: str | None, settings: Settings, env: Mapping[str, str], *,
     ids = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in prompts]
     context = run_context(m.args, settings)
     for i, p in enumerate(ids):
-        if len(p) + max_new + 1 > context:  # generate holds the prompt, the reply and one
-            raise FtchatError(f"prompt {i + 1}: {len(p)} tokens + --max-new-tokens {max_new} "
-                              f"exceed the context ({context}): shorten it, lower "
-                              "--max-new-tokens or raise --context")
+        room = context - len(p) - 1  # generate holds the prompt, the reply and one more
+        if room < 1:  # no reply fits: the prompt is at fault (exit 1), as in `run`
+            raise FtchatError(f"prompt {i + 1} has {len(p)} tokens, too many for the context "
+                              f"({context}): shorten it or raise --context")
+        if max_new > room:  # the prompt fits: the flag must change (exit 2)
+            raise UsageError(f"--max-new-tokens {max_new}: with prompt {i + 1}'s {len(p)} "
+                             f"tokens it exceeds the context ({context}); give {room} or "
+                             "less, or raise --context")
     a = audit_prompts(m, ids, settings, every, max_new)
     shown = a.bad[:SHOWN_BAD_SLOTS]
     res = {"prompts": len(ids), "audits": a.audits, "bad_slots": len(a.bad), "bad": shown}

@@ -168,8 +168,8 @@ class GraphArm:
         self.dec = Decoder(m, build_experts(m, settings), batch, max_len, graph=True,
                            kv_dtype=settings.kv_torch_dtype())
         if self.dec.graph is None:  # Decoder falls back to eager: that would not be graph replay
-            raise FtchatError("--graph: this model's decode step cannot be captured in a CUDA "
-                              "graph (its n-gram table is read from host files each step)")
+            raise UsageError("--graph: this model's decode step cannot be captured in a CUDA "
+                             "graph (its n-gram table is read from host files each step)")
 
     def __call__(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
         self.dec.reset()  # a cold cache, as the eager arms' fresh backends
@@ -214,14 +214,14 @@ def verify_prompts(m: LoadedModel, encode: Callable[[str], list[int]], settings:
     prompts = [encode(text) for text in cold_prompts(n, seed)]
     longest = max(map(len, prompts))
     if longest + max_new + 1 > a.max_position_embeddings:
-        raise FtchatError(f"--max-new-tokens {max_new}: with prompts of up to {longest} tokens "
-                          f"it exceeds the model's {a.max_position_embeddings} positions; give "
-                          f"{max(a.max_position_embeddings - longest - 1, 1)} or less")
+        raise UsageError(f"--max-new-tokens {max_new}: with prompts of up to {longest} tokens "
+                         f"it exceeds the model's {a.max_position_embeddings} positions; give "
+                         f"{max(a.max_position_embeddings - longest - 1, 1)} or less")
     groups = [list(range(i, min(i + G, n))) for i in range(0, n, G)]
     graphs = None
     if settings.graph is True:
         if m.device.type not in GRAPH_DEVICES:
-            raise FtchatError(f"--graph: no CUDA graphs on {m.device.type}")
+            raise UsageError(f"--graph: no CUDA graphs on {m.device.type}")
         # the KV capacity a run would give (--context), at least what the eager arms use
         max_len = max(settings.context or 0, max(map(len, prompts)) + max_new + 1)
 

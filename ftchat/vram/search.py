@@ -10,10 +10,10 @@ import math
 import torch
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.errors import FtchatError
+from ftchat.errors import FtchatError, SettingsError
 from ftchat.offload.backend import LEND_STAGING_FACTOR
 from ftchat.sizes import PREFILL_CHUNK
-from ftchat.vram.items import GIB, VramPlan, Workload, gib_up, human
+from ftchat.vram.items import GIB, Item, VramPlan, Workload, gib_up, human
 from ftchat.vram.plan import plan
 
 # Prefill call sizes `choose_prefill_chunk` considers, largest first: a large chunk streams each
@@ -69,20 +69,25 @@ def check(a, layout: RowLayout, dtype: torch.dtype, w: Workload, budget: int | N
           flag: str = "--vram-budget") -> VramPlan:
     """The plan of a run, or FtchatError (one line) naming the item that does not fit and what
     would make it fit. Banks sized to fit get as many slots as the budget leaves; without a budget
-    only given slot counts are checked (against batch x top-k)."""
+    only given slot counts are checked (against batch x top-k).
+
+    A given slot count below batch x top-k, or a budget below the dense weights alone, is a
+    SettingsError (exit 2): that one flag value must change. A plan that passes the budget
+    elsewhere stays a FtchatError (exit 1): budget, context, slots and batch trade off."""
     need, total = w.batch * a.num_experts_per_tok, a.num_hidden_layers * a.num_experts
     given = [s for s in w.banks if s is not None]
     for s in given:
         if s < need:
-            raise FtchatError(f"{s} expert slots are fewer than batch size x top-k = {need} "
-                              f"({w.batch} x {a.num_experts_per_tok}): give --slots {need} or "
-                              "more (or more --expert-vram)")
+            raise SettingsError(f"{s} expert slots are fewer than batch size x top-k = {need} "
+                                f"({w.batch} x {a.num_experts_per_tok}): give --slots {need} or "
+                                "more (or more --expert-vram)")
     if budget is None:
         return plan(a, layout, dtype, w, total)
     auto = any(s is None for s in w.banks)
     p = plan(a, layout, dtype, w, need if auto else max(given, default=0))
     if p.total > budget:
-        raise FtchatError(_refusal(a, layout, dtype, w, budget, p, flag))
+        line = _refusal(a, layout, dtype, w, budget, p, flag)
+        raise (SettingsError if _passing_item(p, budget)[0].dense else FtchatError)(line)
     if not auto:
         return p
     return plan(a, layout, dtype, w, slots_that_fit(a, layout, dtype, w, budget))
@@ -98,15 +103,21 @@ def _refusal(a, layout: RowLayout, dtype: torch.dtype, w: Workload, budget: int,
     return line
 
 
-def _refusal_line(a, layout: RowLayout, dtype: torch.dtype, w: Workload, budget: int,
-                  p: VramPlan, flag: str) -> str:
-    gib = f"{flag} {budget / GIB:.4g} GiB".strip()  # flag "": a budget of `info --vram`
-    run, item = 0, p.items[-1]
+def _passing_item(p: VramPlan, budget: int) -> tuple[Item, int]:
+    """The item where the plan's running sum passes `budget` (the last one if none does), and
+    the sum there."""
+    run = 0
     for it in p.items:
         run += it.nbytes
         if run > budget:
-            item = it
-            break
+            return it, run
+    return p.items[-1], run
+
+
+def _refusal_line(a, layout: RowLayout, dtype: torch.dtype, w: Workload, budget: int,
+                  p: VramPlan, flag: str) -> str:
+    gib = f"{flag} {budget / GIB:.4g} GiB".strip()  # flag "": a budget of `info --vram`
+    item, run = _passing_item(p, budget)
     auto = any(s is None for s in w.banks)
     slots = p.slots if auto else 0
     bigger = f"raise {flag or 'the budget'} to {gib_up(p.total)}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.errors import FtchatError, UsageError
+from ftchat.errors import SettingsError, UsageError
 from ftchat.model import synth
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.settings import Settings
@@ -138,8 +138,8 @@ def cap_process(device: torch.device, budget: int) -> None:
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     if budget > total:
-        raise FtchatError(f"--vram-budget {budget / GIB:.4g} GiB: more than the device's "
-                          f"{total / GIB:.1f} GiB")
+        raise SettingsError(f"--vram-budget {budget / GIB:.4g} GiB: more than the device's "
+                            f"{total / GIB:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(budget / total, index)
 
 
