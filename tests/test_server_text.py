@@ -79,6 +79,16 @@ def test_xml_values_follow_the_schema():
     assert parse_block("<function=f>junk<parameter=a>1</parameter></function>", []) is None
 
 
+@pytest.mark.parametrize("parameters", ["a string", [1], {"properties": [1]},
+                                        {"properties": "x"}, None])
+def test_xml_values_without_a_usable_schema_read_as_json(parameters):
+    # a tool whose schema names no types (or is no schema): values parse as JSON where they can
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    call = parse_block("<function=f><parameter=n>\n3\n</parameter><parameter=s>\nhi\n"
+                       "</parameter></function>", tools)
+    assert json.loads(call.arguments) == {"n": 3, "s": "hi"}
+
+
 def test_call_ids_are_unique():
     calls = [x for x in feed_split(ToolCallParser([]), JSON_TWO, []) if isinstance(x, ToolCall)]
     assert len(calls) == 2 and calls[0].id != calls[1].id and calls[0].id.startswith("call_")
@@ -143,6 +153,9 @@ def test_chat_reply_message_and_finish_reason():
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        WEATHER, {"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[1].function.parameters"),
 ])
 def test_bad_chat_requests(body, param):
     with pytest.raises(ApiError) as e:

@@ -74,6 +74,11 @@ def parse_chat(body: object, defaults: Sampling = Sampling()) -> ChatRequest:
         if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
             raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}} objects", "tools")
+        for i, t in enumerate(tools):
+            params = t["function"].get("parameters")
+            if params is not None and not isinstance(params, dict):
+                where = f"tools[{i}].function.parameters"
+                raise bad(f"{where} must be a JSON Schema object, got {params!r:.40}", where)
     if choice not in (None, "auto", "none"):
         raise bad("'tool_choice' supports \"auto\" and \"none\"; \"required\" and a named "
                   "function are not implemented", "tool_choice")
