@@ -7,6 +7,7 @@ response_format) is a 400 that says so rather than a silently different reply.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ftchat.sampling import Sampling
@@ -184,7 +185,7 @@ def _number(body: dict, name: str, default, integer: bool = False, low=None, hig
     if x is None:
         return default
     ok = _is_int(x) if integer else _is_number(x)
-    if ok and x != x:  # NaN
+    if ok and isinstance(x, float) and not math.isfinite(x):  # NaN, Infinity: as run's flags
         ok = False
     if ok and low is not None:
         ok = x > low if low_open else x >= low
