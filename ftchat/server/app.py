@@ -158,7 +158,9 @@ class _Guard:
 def _key_ok(scope, key: str) -> bool:
     given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
     scheme, _, token = given.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+    # the header's own bytes (latin-1 gives them back) against the key's UTF-8: curl sends a
+    # non-ASCII key as the terminal's UTF-8
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
                                                               key.encode())
 
 
