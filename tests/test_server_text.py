@@ -239,6 +239,34 @@ def test_tools_go_to_a_template_that_renders_them(tmp_path):
     assert p.text.startswith("TOOLS:get_weather;") and not p.think_open
 
 
+def test_a_template_that_iterates_the_arguments_gets_them_as_an_object(tmp_path):
+    # OpenAI clients send a call's arguments as JSON text; Qwen3-Coder's template (the XML
+    # form) iterates them with `|items`, so they reach it as an object (vLLM's way too)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((DEMO / name).read_text())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools %}{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<function={{ c.function.name }}>"
+        "{% for k, v in c.function.arguments|items %}<parameter={{ k }}>{{ v }}</parameter>"
+        "{% endfor %}</function>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    r = ChatRenderer(Tokenizer.from_folder(tmp_path))
+    assert r.template_tools
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    p = r.prompt(msgs, [WEATHER], {})
+    assert "<function=get_weather><parameter=city>Oslo</parameter></function>" in p.text
+    assert call["function"]["arguments"] == '{"city": "Oslo"}'  # the request is not changed
+    for text in ("{not json", "[" * 100_000, '{"n": ' + "9" * 5000 + "}"):  # text stays text
+        bad = {**call, "function": {"name": "f", "arguments": text}}
+        with pytest.raises(ApiError, match="refused"):
+            r.prompt([msgs[0], {**msgs[1], "tool_calls": [bad]}], [WEATHER], {})
+
+
 def test_prefill_plan():
     from ftchat.server.worker import plan_prefill
 
