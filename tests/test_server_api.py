@@ -171,6 +171,7 @@ BIG = "word " * 600  # over the 512-token context
     ({"messages": [{"role": "user", "content": BIG}]}, 400, "context_length_exceeded"),
     (b"x" * (20 * 2**20), 413, None),
     (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, None),  # lone surrogate
+    ('{"messages": [{"role": "user", "content": "\\udfff"}]}'.encode("utf-16"), 400, None),
     (b'{"messages": [], "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),  # deep
     (b'{"messages": [], "seed": ' + b"9" * 5000 + b"}", 400, None),  # past int()'s digit limit
     ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f",

@@ -177,18 +177,22 @@ async def _read_json(request: Request, limit: int) -> object:
             raise too_big
         chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
+        raw = b"".join(chunks)
+        body = json.loads(raw)
     except RecursionError:
         raise bad("the request body is not valid JSON: it nests too deeply") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer too long
         detail = e if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else \
             "a number has too many digits"
         raise bad(f"the request body is not valid JSON: {detail}") from None
-    _check_surrogates(body)
+    # walked only where a surrogate escape may be: a UTF-8 body without one has none
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig") or _SURROGATE_ESCAPE.search(raw):
+        _check_surrogates(body)
     return body
 
 
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _check_surrogates(body: object) -> None:
