@@ -382,6 +382,16 @@ def test_serve_on_a_taken_port(tiny_bf16, capsys, monkeypatch):
     clean_error(code, err, "--host no.such.host.invalid")
 
 
+@pytest.mark.parametrize("key", ["", " key", "key\n"])
+def test_serve_refuses_a_key_no_client_could_send(tiny_bf16, capsys, monkeypatch, key):
+    with socket.socket() as taken:  # were the key taken, serve stops at the port, not serving
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, out, err = _main(["serve", tiny_bf16, "--api-key", key, "--port",
+                                taken.getsockname()[1]], capsys, monkeypatch)
+    clean_error(code, err, "API key", repr(key), status=2)  # before: every request got 401
+
+
 def test_one_prompt_over_the_context_does_not_abort_the_batch(tiny_bf16, capsys, monkeypatch):
     stdin = "hello\n" + "word " * 100 + "\nhi\n"
     code, out, err = _main(["run", tiny_bf16, "-n", "2", "--json", "-c", "64", "--batch-size",

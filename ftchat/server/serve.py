@@ -100,6 +100,11 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
         raise UsageError(f"--port {options.port}: expected 1 to 65535")
     if not 0 <= options.cache_ram_gib < float("inf"):  # NaN fails this too
         raise UsageError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
+    key = options.api_key
+    if key is not None and (not key or key != key.strip()):  # the header's token is stripped:
+        # such a key would refuse every client
+        raise UsageError(f"the API key (--api-key or FTCHAT_API_KEY) {key!r}: expected a key "
+                         "without spaces or line breaks around it")
     resolved = resolve_model(model, env)
     tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
     # a request without sampling fields decodes as `ftchat run` does on this model
