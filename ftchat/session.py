@@ -117,7 +117,9 @@ class StopText:
         if found is not None:
             out, self.hit, self.held = self.held[: found[0]], found[1], ""
             return out
-        keep = max((k for s in self.stops for k in range(1, len(s))
+        # the longest end of the held text that starts a stop string: no longer than the held
+        # text (a 1 MB stop string must not cost a million slices a token)
+        keep = max((k for s in self.stops for k in range(1, min(len(s), len(self.held) + 1))
                     if self.held.endswith(s[:k])), default=0)
         out, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
         return out

@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import termios
@@ -240,6 +241,8 @@ def test_a_huge_top_k_is_every_token(tiny_bf16, capsys, monkeypatch):
     (["info", "--vram", "nan"], "--vram nan"),
     (["run", "-p", "hi", "--vram-budget", "inf"], "--vram-budget"),
     (["run", "-p", "hi", "--expert-vram", "nan"], "--expert-vram"),
+    (["serve", "--cache-ram", "nan"], "--cache-ram nan"),
+    (["serve", "--cache-ram", "inf"], "--cache-ram inf"),
 ])
 def test_vram_not_a_finite_number(tiny_bf16, capsys, monkeypatch, argv, named):
     code, out, err = _main([argv[0], tiny_bf16, *argv[1:]], capsys, monkeypatch)
@@ -354,6 +357,40 @@ def test_deeply_nested_json(tiny_bf16, capsys, monkeypatch):
     clean_error(code, err, "stdin line 1", "nested too deeply")
     records = [json.loads(x) for x in out.splitlines()]
     assert "error" in records[0] and "tokens" in records[1]
+
+
+def test_a_json_number_with_too_many_digits(tiny_bf16, capsys, monkeypatch):
+    line = '{"prompt": "hi", "seed": ' + "9" * 5000 + "}"
+    code, out, err = _main(["run", tiny_bf16, "-n", "2", "--json"], capsys, monkeypatch,
+                           line + "\nhello\n")
+    message = clean_error(code, err, "stdin line 1", "invalid JSON", "too many digits")
+    assert "sys." not in message  # not Python's advice to raise its limit
+    records = [json.loads(x) for x in out.splitlines()]
+    assert "error" in records[0] and "tokens" in records[1]  # control: the next line runs
+
+
+def test_serve_on_a_taken_port(tiny_bf16, capsys, monkeypatch):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        code, out, err = _main(["serve", tiny_bf16, "--port", port, "--threads", "1"], capsys,
+                               monkeypatch)
+    clean_error(code, err, f"--port {port}", "in use")  # before: uvicorn's log line, exit 3
+    assert "model loading" not in err  # refused before the model loads
+    code, out, err = _main(["serve", tiny_bf16, "--host", "no.such.host.invalid", "--port",
+                            port], capsys, monkeypatch)
+    clean_error(code, err, "--host no.such.host.invalid")
+
+
+@pytest.mark.parametrize("key", ["", " key", "key\n"])
+def test_serve_refuses_a_key_no_client_could_send(tiny_bf16, capsys, monkeypatch, key):
+    with socket.socket() as taken:  # were the key taken, serve stops at the port, not serving
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        code, out, err = _main(["serve", tiny_bf16, "--api-key", key, "--port",
+                                taken.getsockname()[1]], capsys, monkeypatch)
+    clean_error(code, err, "API key", repr(key), status=2)  # before: every request got 401
 
 
 def test_one_prompt_over_the_context_does_not_abort_the_batch(tiny_bf16, capsys, monkeypatch):

@@ -86,6 +86,25 @@ def test_seed_reproduces_the_reply_and_run(client, reference):
     assert a == b == after_think(reference[2]["text"])
 
 
+def test_a_sampled_request_without_a_seed_replies(server, client):
+    # the server fixes a random seed for it (as run does); a given seed: the test above
+    r = client.chat.completions.create(model="demo", messages=ASK, max_tokens=3,
+                                       temperature=0.9)
+    assert r.usage.completion_tokens == 3
+    status, _, text = server.request("POST", "/v1/completions", {
+        "prompt": "def", "max_tokens": 3, "temperature": 0.9, "stream": True})
+    assert status == 200 and text.endswith("data: [DONE]\n\n") and '"error"' not in text
+
+
+def test_text_that_only_looks_like_a_surrogate_is_accepted(server):
+    # controls of the lone-surrogate case below: a pair, and an escaped backslash before "u"
+    for content in (b"\\ud83d\\ude00", b"\\\\ud800"):
+        body = b'{"messages": [{"role": "user", "content": "' + content + b'"}], "max_tokens": 1}'
+        status, _, reply = server.request("POST", "/v1/chat/completions", body,
+                                          {"Content-Type": "application/json"})
+        assert status == 200, reply
+
+
 def test_stream_shape(server):
     body = {"model": "demo", "messages": ADD, "max_tokens": 6, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -151,6 +170,13 @@ BIG = "word " * 600  # over the 512-token context
     ({"messages": ASK, "stream": "yes"}, 400, None),
     ({"messages": [{"role": "user", "content": BIG}]}, 400, "context_length_exceeded"),
     (b"x" * (20 * 2**20), 413, None),
+    (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, None),  # lone surrogate
+    ('{"messages": [{"role": "user", "content": "\\udfff"}]}'.encode("utf-16"), 400, None),
+    (b'{"messages": [], "x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400, None),  # deep
+    (b'{"messages": [], "seed": ' + b"9" * 5000 + b"}", 400, None),  # past int()'s digit limit
+    ({"messages": ASK, "tools": [{"type": "function", "function": {"name": "f",
+                                                                   "parameters": "{}"}}]},
+     400, None),
 ])
 def test_bad_requests(server, body, status, code):
     got, headers, err = server.request("POST", "/v1/chat/completions", body)
@@ -167,7 +193,8 @@ def test_keys_paths_and_methods(server):
     assert status == 401 and err["error"]["code"] == "invalid_api_key"
     status, _, err = server.request("GET", "/v1/nothing")
     assert status == 404 and err["error"]["type"] == "not_found_error"
-    assert server.request("GET", "/v1/chat/completions")[0] == 405
+    status, headers, err = server.request("GET", "/v1/chat/completions")
+    assert status == 405 and headers["allow"] == "POST" and err["error"]["message"]
     status, _, err = server.request("POST", "/v1/completions", {"prompt": "x", "best_of": 3})
     assert status == 400 and err["error"]["param"] == "best_of"
 

@@ -10,7 +10,7 @@ import json
 import time
 
 from ftchat.sampling import Sampling
-from ftchat.server.app import _Shape, _stream
+from ftchat.server.app import _key_ok, _Shape, _stream
 from ftchat.server.protocol import Generation
 from ftchat.server.replies import ChatReply
 from ftchat.server.worker import Delta, Failed, Finished, Job
@@ -112,3 +112,13 @@ def test_loading_answers_503_then_ready(tmp_path):
         worker.stop()
         userver.should_exit = True
         thread.join(10)
+
+
+def test_a_non_ascii_key_as_its_utf8_bytes():
+    def scope(value: bytes) -> dict:
+        return {"headers": [(b"host", b"x"), (b"authorization", value)]}
+
+    assert _key_ok(scope("Bearer kéy".encode()), "kéy")  # what curl sends from a terminal
+    assert _key_ok(scope(b"bearer  key "), "key")  # control: ASCII, spaces and case
+    assert not _key_ok(scope("Bearer kéy".encode("latin-1")), "kéy")  # other bytes
+    assert not _key_ok(scope(b"Bearer"), "key") and not _key_ok(scope(b"Basic key"), "key")

@@ -79,6 +79,16 @@ def test_xml_values_follow_the_schema():
     assert parse_block("<function=f>junk<parameter=a>1</parameter></function>", []) is None
 
 
+@pytest.mark.parametrize("parameters", ["a string", [1], {"properties": [1]},
+                                        {"properties": "x"}, None])
+def test_xml_values_without_a_usable_schema_read_as_json(parameters):
+    # a tool whose schema names no types (or is no schema): values parse as JSON where they can
+    tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+    call = parse_block("<function=f><parameter=n>\n3\n</parameter><parameter=s>\nhi\n"
+                       "</parameter></function>", tools)
+    assert json.loads(call.arguments) == {"n": 3, "s": "hi"}
+
+
 def test_call_ids_are_unique():
     calls = [x for x in feed_split(ToolCallParser([]), JSON_TWO, []) if isinstance(x, ToolCall)]
     assert len(calls) == 2 and calls[0].id != calls[1].id and calls[0].id.startswith("call_")
@@ -136,6 +146,10 @@ def test_chat_reply_message_and_finish_reason():
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": float("inf")},
+     "repetition_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "repeat_penalty": float("nan")},
+     "repeat_penalty"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, "n"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True}, "logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
@@ -143,6 +157,9 @@ def test_chat_reply_message_and_finish_reason():
     ({"messages": [{"role": "user", "content": "x"}], "stop": 5}, "stop"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [
+        WEATHER, {"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools[1].function.parameters"),
 ])
 def test_bad_chat_requests(body, param):
     with pytest.raises(ApiError) as e:
@@ -220,6 +237,34 @@ def test_tools_go_to_a_template_that_renders_them(tmp_path):
     assert r.template_tools and r.xml_form
     p = r.prompt([{"role": "user", "content": "hi"}], [WEATHER], {"enable_thinking": False})
     assert p.text.startswith("TOOLS:get_weather;") and not p.think_open
+
+
+def test_a_template_that_iterates_the_arguments_gets_them_as_an_object(tmp_path):
+    # OpenAI clients send a call's arguments as JSON text; Qwen3-Coder's template (the XML
+    # form) iterates them with `|items`, so they reach it as an object (vLLM's way too)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_text((DEMO / name).read_text())
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% if tools %}{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
+        "{% for c in m.tool_calls or [] %}<function={{ c.function.name }}>"
+        "{% for k, v in c.function.arguments|items %}<parameter={{ k }}>{{ v }}</parameter>"
+        "{% endfor %}</function>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    r = ChatRenderer(Tokenizer.from_folder(tmp_path))
+    assert r.template_tools
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    msgs = [{"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    p = r.prompt(msgs, [WEATHER], {})
+    assert "<function=get_weather><parameter=city>Oslo</parameter></function>" in p.text
+    assert call["function"]["arguments"] == '{"city": "Oslo"}'  # the request is not changed
+    for text in ("{not json", "[" * 100_000, '{"n": ' + "9" * 5000 + "}"):  # text stays text
+        bad = {**call, "function": {"name": "f", "arguments": text}}
+        with pytest.raises(ApiError, match="refused"):
+            r.prompt([msgs[0], {**msgs[1], "tool_calls": [bad]}], [WEATHER], {})
 
 
 def test_prefill_plan():

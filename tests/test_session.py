@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from ftchat import engine
 from ftchat.errors import FtchatError
 from ftchat.model.expert_backend import ForwardingBackend
-from ftchat.session import Session
+from ftchat.session import Session, StopText
 from ftchat.settings import Settings
 
 HELLO = [{"role": "user", "content": "hello"}]
@@ -214,3 +216,15 @@ def test_close_reaches_the_backend(tiny_nvfp4):
     s = Session(base.model, base.tokenizer, base.settings, Closing(base.experts, None))
     s.close()
     assert s.experts.closed == 1
+
+
+def test_a_long_stop_string_costs_what_the_held_text_costs():
+    # a request may send 1 MB stop strings: the held-back end is searched only as far as the
+    # text held (before: every prefix of every stop string, each token; the server's engine
+    # thread spent minutes a token)
+    text = StopText(["x" * 300_000, "END"])
+    t = time.perf_counter()
+    shown = [text.feed(piece) for piece in ["say ", "it ", "E"] + ["word "] * 10]
+    assert time.perf_counter() - t < 1.0
+    assert shown[:3] == ["say ", "it ", ""] and shown[3] == "Eword "  # "E" held, then shown
+    assert text.feed("the EN") == "the " and text.feed("D x") == "" and text.hit == "END"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import re
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -62,7 +63,9 @@ def create_app(cfg: ServerConfig, worker: EngineWorker, tokenizer: Tokenizer,
     async def http_error(request: Request, e: HTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         message = f"{request.method} {request.url.path}: {e.detail}"
-        return _error(ApiError(e.status_code, message, type=kind))
+        response = _error(ApiError(e.status_code, message, type=kind))
+        response.headers.update(e.headers or {})  # a 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal(request: Request, e: Exception):
@@ -155,7 +158,9 @@ class _Guard:
 def _key_ok(scope, key: str) -> bool:
     given = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
     scheme, _, token = given.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+    # the header's own bytes (latin-1 gives them back) against the key's UTF-8: curl sends a
+    # non-ASCII key as the terminal's UTF-8
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("latin-1"),
                                                               key.encode())
 
 
@@ -172,9 +177,38 @@ async def _read_json(request: Request, limit: int) -> object:
             raise too_big
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise bad(f"the request body is not valid JSON: {e}") from None
+        raw = b"".join(chunks)
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad("the request body is not valid JSON: it nests too deeply") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, an integer too long
+        detail = e if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)) else \
+            "a number has too many digits"
+        raise bad(f"the request body is not valid JSON: {detail}") from None
+    # walked only where a surrogate escape may be: a UTF-8 body without one has none
+    if json.detect_encoding(raw) not in ("utf-8", "utf-8-sig") or _SURROGATE_ESCAPE.search(raw):
+        _check_surrogates(body)
+    return body
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_surrogates(body: object) -> None:
+    """Refuse a lone surrogate escape ("\\ud800"): json.loads keeps it, but it is no text a
+    tokenizer can encode (llama-server's JSON parser refuses it too)."""
+    todo = [body]
+    while todo:
+        x = todo.pop()
+        if isinstance(x, dict):
+            todo.extend(x.keys())
+            todo.extend(x.values())
+        elif isinstance(x, list):
+            todo.extend(x)
+        elif isinstance(x, str) and (m := _SURROGATE.search(x)):
+            raise bad("the request body is not valid JSON: a string holds the lone surrogate "
+                      f"\\u{ord(m.group()):04x}")
 
 
 def _ready(worker: EngineWorker) -> None:
@@ -211,8 +245,10 @@ async def _respond(request: Request, cfg: ServerConfig, worker: EngineWorker, ki
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     rid = prefix + secrets.token_hex(12)
-    job = Job(rid, list(ids), gen.max_tokens or max_len - len(ids), gen.stop, gen.sampling,
-              splits, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+    # a sampled request without a seed gets a random one now (the Sampler draws from it)
+    job = Job(rid, list(ids), gen.max_tokens or max_len - len(ids), gen.stop,
+              gen.sampling.with_seed(), splits,
+              lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
     if not worker.submit(job):
         raise ApiError(503, f"the server is busy: {worker.queue_size} requests already wait "
                        "(--queue); retry later", type="unavailable_error", code="queue_full",

@@ -56,6 +56,7 @@ class ChatRenderer:
         if self.template_tools:
             if tools:
                 variables["tools"] = tools
+            messages = [_object_arguments(m) for m in messages]
         else:
             messages = _inline_tools(messages, tools)
         try:
@@ -79,6 +80,26 @@ class ChatRenderer:
             if 0 < len(part) < len(ids) and ids[:len(part)] == part:
                 splits.append(len(part))
         return Prompt(ids, text, tuple(sorted(set(splits))), think_open(text))
+
+
+def _object_arguments(m: dict) -> dict:
+    """The message with its calls' arguments as objects where they are JSON object text: OpenAI
+    clients send text, templates that render calls iterate them (Qwen3-Coder's
+    `arguments|items`); vLLM converts them the same way. Other text stays as given."""
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for c in m["tool_calls"]:
+        args = c["function"].get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except (ValueError, RecursionError):  # not JSON, or past the parser's limits
+                pass
+            if isinstance(args, dict):
+                c = {**c, "function": {**c["function"], "arguments": args}}
+        calls.append(c)
+    return {**m, "tool_calls": calls}
 
 
 def _inline_tools(messages: list[dict], tools: list[dict]) -> list[dict]:

@@ -7,6 +7,7 @@ response_format) is a 400 that says so rather than a silently different reply.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ftchat.sampling import Sampling
@@ -74,6 +75,11 @@ def parse_chat(body: object, defaults: Sampling = Sampling()) -> ChatRequest:
         if not isinstance(tools, list) or not all(_is_tool(t) for t in tools):
             raise bad("'tools' must be a list of {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}} objects", "tools")
+        for i, t in enumerate(tools):
+            params = t["function"].get("parameters")
+            if params is not None and not isinstance(params, dict):
+                where = f"tools[{i}].function.parameters"
+                raise bad(f"{where} must be a JSON Schema object, got {params!r:.40}", where)
     if choice not in (None, "auto", "none"):
         raise bad("'tool_choice' supports \"auto\" and \"none\"; \"required\" and a named "
                   "function are not implemented", "tool_choice")
@@ -179,7 +185,7 @@ def _number(body: dict, name: str, default, integer: bool = False, low=None, hig
     if x is None:
         return default
     ok = _is_int(x) if integer else _is_number(x)
-    if ok and x != x:  # NaN
+    if ok and isinstance(x, float) and not math.isfinite(x):  # NaN, Infinity: as run's flags
         ok = False
     if ok and low is not None:
         ok = x > low if low_open else x >= low

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -16,7 +17,7 @@ from typing import TextIO
 import uvicorn
 from rich.console import Console
 
-from ftchat.errors import UsageError
+from ftchat.errors import FtchatError, UsageError
 from ftchat.generation_defaults import generation_defaults
 from ftchat.model.tokenizer import Tokenizer
 from ftchat.process_io import signal_name
@@ -75,6 +76,20 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds it; a host or port that cannot be used is
+    one error line (uvicorn's own is a log line and exit status 3)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise FtchatError(f"--host {host} --port {port}: cannot listen there "
+                          f"({e.strerror or e})") from None
+    return sock
+
+
 def serve(model: str | None, settings: Settings, options: ServeOptions,
           env: Mapping[str, str], stderr: TextIO) -> int:
     if options.parallel < 1:
@@ -83,8 +98,13 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
         raise UsageError(f"--queue {options.queue}: expected 0 or more")
     if not 0 < options.port < 65536:
         raise UsageError(f"--port {options.port}: expected 1 to 65535")
-    if options.cache_ram_gib < 0:
+    if not 0 <= options.cache_ram_gib < float("inf"):  # NaN fails this too
         raise UsageError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
+    key = options.api_key
+    if key is not None and (not key or key != key.strip()):  # the header's token is stripped:
+        # such a key would refuse every client
+        raise UsageError(f"the API key (--api-key or FTCHAT_API_KEY) {key!r}: expected a key "
+                         "without spaces or line breaks around it")
     resolved = resolve_model(model, env)
     tokenizer = Tokenizer.from_folder(resolved.path)  # cheap: a bad folder fails here
     # a request without sampling fields decodes as `ftchat run` does on this model
@@ -104,6 +124,7 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
                           log_requests=not settings.quiet)
     app = create_app(ServerConfig(resolved.name, options.api_key, sampling=defaults), worker,
                      tokenizer, metrics)
+    sock = listen(options.host, options.port)  # a taken port fails before the model loads
     worker.start()
     log(f"ftchat serve: http://{options.host}:{options.port}/v1 (model loading; /health says "
         "when it is ready)")
@@ -114,9 +135,10 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
                                     log_level="warning", timeout_graceful_shutdown=1)
             server = _Server(config)
             server.load_failed = lambda: worker.state == "failed"
-            server.run()
+            server.run(sockets=[sock])
     finally:
         worker.stop()
+        sock.close()
     if worker.load_error is not None:  # as llama-server: a model that cannot load ends serve,
         raise worker.load_error  # reported by the CLI as `run` reports the same failure
     if server.stopped_by is not None and not settings.quiet:

@@ -71,7 +71,10 @@ def _parameter_types(tools: list[dict], name: str) -> dict[str, str]:
     for t in tools:
         f = t.get("function", {})
         if f.get("name") == name:
-            props = (f.get("parameters") or {}).get("properties") or {}
+            params = f.get("parameters")
+            props = params.get("properties") if isinstance(params, dict) else None
+            if not isinstance(props, dict):  # no schema to type the values by
+                return {}
             return {k: v.get("type") for k, v in props.items() if isinstance(v, dict)}
     return {}
 

@@ -104,8 +104,9 @@ def parse_line(line: str, lineno: int, settings: Settings) -> Job | None:
         return Job(line, settings.system, source=where)
     try:
         obj = json.loads(line)
-    except ValueError as e:
-        raise FtchatError(f"{where}: invalid JSON ({e})") from None
+    except ValueError as e:  # JSONDecodeError, or an integer past int()'s digit limit
+        detail = e if isinstance(e, json.JSONDecodeError) else "a number has too many digits"
+        raise FtchatError(f"{where}: invalid JSON ({detail})") from None
     except RecursionError:
         raise FtchatError(f"{where}: the JSON is nested too deeply to read") from None
     if not isinstance(obj, dict):
