@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ftchat.model.kv_cache import AttentionCache, gather_kv, store_kv
 from ftchat.model.layers import apply_rope, rms_norm, rope_cos_sin
-from ftchat.model.qsa import attend_heads_first, causal_query_chunk, kv_heads_first
+from ftchat.model.qsa import attend, causal_query_chunk
 
 
 def plain_rms_norm(x: Tensor, w: Tensor, eps: float) -> Tensor:
@@ -64,10 +64,10 @@ def attention_mixer(x: Tensor, w: dict, cache: AttentionCache, pos: Tensor, kv_l
     k = apply_rope(k, cos[:, :, None], sin[:, :, None])
     rows = torch.arange(B, device=x.device)[:, None].expand(B, T)
     store_kv(cache, (rows, pos), k, v)
-    keys, vals = kv_heads_first(*gather_kv(cache, (slice(None), slice(None, kv_len)), x.dtype))
+    keys, vals = gather_kv(cache, (slice(None), slice(None, kv_len)), x.dtype)  # [B, L, Hkv, hd]
     causal = torch.arange(kv_len, device=x.device) <= pos[..., None]  # [B, T, L]
     tq = causal_query_chunk(T, kv_len, a)
-    o = torch.cat([attend_heads_first(q[:, i:i + tq], keys, vals, causal[:, i:i + tq], a)
+    o = torch.cat([attend(q[:, i:i + tq], keys, vals, causal[:, i:i + tq], a)
                    for i in range(0, T, tq)], dim=1)  # [B, T, Hq*hd]
     if gate is not None:
         o = o * torch.sigmoid(gate)

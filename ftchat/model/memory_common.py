@@ -101,14 +101,13 @@ def rms_norm_peak(n: int, act: int) -> int:
 
 def causal_chunk_bytes(a: Args, act: int, T: int, L: int) -> int:
     """A causal attention over KV length L of T queries in chunks of qsa.causal_query_chunk
-    queries: the K/V copied once with the kv heads first (qsa.kv_heads_first; grouped, not
-    repeated over the query heads), and one chunk's inverted mask and scores (the masked ones,
-    softmax's fp32 copy of them and its output, then the output cast to act), its q copy,
-    output and transposed output."""
-    Hq, Hkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+    queries: the K/V repeated over the query heads, and one chunk's inverted mask and scores
+    (the masked ones, softmax's fp32 copy of them and its output, then the output cast to act),
+    its q copy, output and transposed output."""
+    Hq, hd = a.num_attention_heads, a.head_dim
     tq = qsa.causal_query_chunk(T, L, a)
-    return 2 * Hkv * L * hd * act + tq * (L + Hq * L * max(act + 8, 2 * act + 4)
-                                          + 3 * Hq * hd * act)
+    return 2 * Hq * L * hd * act + tq * (L + Hq * L * max(act + 8, 2 * act + 4)
+                                         + 3 * Hq * hd * act)
 
 
 def gdn_block_bytes(a: Args, act: int, t: int) -> int:

@@ -173,28 +173,14 @@ def select_blocks(iq: Tensor, kbar: Tensor, pos: Tensor, kv_len: int, a: ModelAr
 def attend(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor, a: ModelArgs) -> Tensor:
     """GQA softmax attention: q [B, T, Hq, hd] over keys/vals [B, L, Hkv, hd] where mask [B, T, L];
     o [B, T, Hq*hd]."""
-    return attend_heads_first(q, *kv_heads_first(keys, vals), mask, a)
-
-
-def kv_heads_first(keys: Tensor, vals: Tensor) -> tuple[Tensor, Tensor]:
-    """keys/vals [B, L, Hkv, hd] -> contiguous [B, Hkv, L, hd], the layout
-    `attend_heads_first` multiplies by; callers that attend in query chunks make it once."""
-    return keys.transpose(1, 2).contiguous(), vals.transpose(1, 2).contiguous()
-
-
-def attend_heads_first(q: Tensor, keys: Tensor, vals: Tensor, mask: Tensor, a: ModelArgs
-                       ) -> Tensor:
-    """`attend` over keys/vals [B, Hkv, L, hd] (`kv_heads_first`). The kv heads are grouped, not
-    repeated: the rep = Hq / Hkv query heads of kv head g (h = g*rep + i, repeat_interleave's
-    order) are one [rep*T, hd] matrix against it."""
     Hq, Hkv, hd = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-    B, T, L = q.shape[0], q.shape[1], keys.shape[2]
-    qg = q.transpose(1, 2).reshape(B, Hkv, Hq // Hkv * T, hd)  # a copy; row i*T + t: head g*rep + i
-    scores = (qg @ keys.transpose(-1, -2)) * hd**-0.5  # [B, Hkv, rep*T, L]
-    scores = scores.view(B, Hq, T, L).masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
+    rep = Hq // Hkv
+    keys = keys.repeat_interleave(rep, dim=2).transpose(1, 2)  # [B, Hq, L, hd]
+    vals = vals.repeat_interleave(rep, dim=2).transpose(1, 2)
+    scores = (q.transpose(1, 2) @ keys.transpose(-1, -2)) * hd**-0.5  # [B, Hq, T, L]
+    scores = scores.masked_fill(~mask[:, None], torch.finfo(scores.dtype).min)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    o = probs.view(B, Hkv, -1, L) @ vals  # [B, Hkv, rep*T, hd]
-    return o.view(B, Hq, T, hd).transpose(1, 2).flatten(-2)
+    return (probs @ vals).transpose(1, 2).flatten(-2)
 
 
 def dense_attention(q: Tensor, iq: Tensor, cache: AttentionCache, pos: Tensor, kv_len: int,
@@ -329,9 +315,9 @@ def prefill_attention(q: Tensor, iq: Tensor, cache: AttentionCache, pos: Tensor,
     `prefill_chunks`, each query over its <= budget + r - 1 selected tokens only."""
     if not sparse_prefill(kv_len, a):  # select_tokens would give the causal mask (model.md 4.2)
         causal = torch.arange(kv_len, device=pos.device) <= pos[..., None]  # [B, T, L]
-        keys, vals = kv_heads_first(*gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype))
+        keys, vals = gather_kv(cache, (slice(None), slice(None, kv_len)), q.dtype)
         tq = causal_query_chunk(q.shape[1], kv_len, a)
-        return torch.cat([attend_heads_first(q[:, i:i + tq], keys, vals, causal[:, i:i + tq], a)
+        return torch.cat([attend(q[:, i:i + tq], keys, vals, causal[:, i:i + tq], a)
                           for i in range(0, q.shape[1], tq)], dim=1)
     rows = torch.arange(q.shape[0], device=q.device)[:, None, None]
     out = []

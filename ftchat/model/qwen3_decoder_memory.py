@@ -88,9 +88,8 @@ def stream_bytes(a: Qwen3Args, act: int) -> int:
 def attention_prefill_bytes(a: Qwen3Args, act: int, T: int, L: int, fp8: bool) -> int:
     """attention.attention_mixer's prefill of T queries at KV length L above its input: the
     projections and q, k (normed, roped) and the gate, the K/V read (dequantized when fp8), the
-    causal mask, and (memory_common.causal_chunk_bytes) the K/V copied with the kv heads first
-    and per query chunk the scores (act and fp32) and the outputs; then o, its gate product and
-    y."""
+    causal mask, and per query chunk (memory_common.causal_chunk_bytes) its K/V repeated over
+    the query heads, the scores (act and fp32) and the outputs; then o, its gate product and y."""
     Hq, Hkv, hd, D = a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.hidden_size
     q_width = Hq * hd * (2 if a.attention_gate else 1)
     proj = T * act * (q_width + 2 * Hkv * hd) * 2  # projections and their normed / roped copies

@@ -213,7 +213,7 @@ def attention_prefill_bytes(a: ModelArgs, act: int, T: int, L: int, cuda: bool,
     if N <= top:  # every complete block selected: causal attention over L, in query chunks
         dequant = L * kvh * (8 + 2 * act) if fp8 else 0  # K, V dequantized (slices: no gather)
         attn = (T * L + dequant  # the mask
-                + mc.causal_chunk_bytes(a, act, T, L)  # the K/V heads first, one query chunk's
+                + mc.causal_chunk_bytes(a, act, T, L)  # the K/V repeated, one query chunk's
                 + 2 * o)  # the chunk outputs so far, then their concatenation
     elif cuda and qsa.prefill_kernel_supported(a, dtype, 1):  # the kernel path, in query chunks
         tq = qsa.prefill_query_chunk(T, L, a, "cuda", True)
