@@ -70,6 +70,14 @@ def test_tool_calls_at_every_split(text, expected):
     assert one_char == expected
 
 
+def renderer_with_template(folder, template: str) -> ChatRenderer:
+    """A ChatRenderer of the demo's tokenizer with `template` as its chat template."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_text((DEMO / name).read_text())
+    (folder / "chat_template.jinja").write_text(template)
+    return ChatRenderer(Tokenizer.from_folder(folder))
+
+
 def test_xml_values_follow_the_schema():
     call = parse_block("<function=get_weather>\n<parameter=city>\n42\n</parameter>\n</function>",
                        [WEATHER])
@@ -224,16 +232,13 @@ def test_tools_reach_the_prompt_without_template_support():
 
 
 def test_tools_go_to_a_template_that_renders_them(tmp_path):
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_text((DEMO / name).read_text())
-    (tmp_path / "chat_template.jinja").write_text(
+    r = renderer_with_template(tmp_path, (
         "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}"
         "<function=example>{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n"
         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
         "{% if enable_thinking is false %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}"
-        "{% endif %}")
-    r = ChatRenderer(Tokenizer.from_folder(tmp_path))
+        "{% endif %}"))
     assert r.template_tools and r.xml_form
     p = r.prompt([{"role": "user", "content": "hi"}], [WEATHER], {"enable_thinking": False})
     assert p.text.startswith("TOOLS:get_weather;") and not p.think_open
@@ -242,16 +247,13 @@ def test_tools_go_to_a_template_that_renders_them(tmp_path):
 def test_a_template_that_iterates_the_arguments_gets_them_as_an_object(tmp_path):
     # OpenAI clients send a call's arguments as JSON text; Qwen3-Coder's template (the XML
     # form) iterates them with `|items`, so they reach it as an object (vLLM's way too)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (tmp_path / name).write_text((DEMO / name).read_text())
-    (tmp_path / "chat_template.jinja").write_text(
+    r = renderer_with_template(tmp_path, (
         "{% if tools %}{% for t in tools %}{{ t.function.name }};{% endfor %}{% endif %}"
         "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content or '' }}"
         "{% for c in m.tool_calls or [] %}<function={{ c.function.name }}>"
         "{% for k, v in c.function.arguments|items %}<parameter={{ k }}>{{ v }}</parameter>"
         "{% endfor %}</function>{% endfor %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    r = ChatRenderer(Tokenizer.from_folder(tmp_path))
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
     assert r.template_tools
     call = {"id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}

@@ -54,7 +54,10 @@ class _Server(uvicorn.Server):
     for SIGHUP, which it does not handle, a traceback out of its event loop)."""
 
     stopped_by: int | None = None
-    load_failed: Callable[[], bool] = staticmethod(lambda: False)  # then stop serving
+
+    def __init__(self, config: uvicorn.Config, load_failed: Callable[[], bool]):
+        super().__init__(config)
+        self.load_failed = load_failed  # True once the model failed to load: stop serving
 
     async def on_tick(self, counter: int) -> bool:
         return self.load_failed() or await super().on_tick(counter)
@@ -133,8 +136,7 @@ def serve(model: str | None, settings: Settings, options: ServeOptions,
             # after the status line starts: uvicorn's log handler writes above it
             config = uvicorn.Config(app, host=options.host, port=options.port,
                                     log_level="warning", timeout_graceful_shutdown=1)
-            server = _Server(config)
-            server.load_failed = lambda: worker.state == "failed"
+            server = _Server(config, lambda: worker.state == "failed")
             server.run(sockets=[sock])
     finally:
         worker.stop()

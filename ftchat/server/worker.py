@@ -108,12 +108,17 @@ class EngineWorker:
         self.lock = threading.Lock()
         self.admitted = 0  # jobs queued or decoding
         self.state = "loading"  # loading | ready | failed
-        self.error: str | None = None
         self.load_error: Exception | None = None  # why loading failed: serve exits with it
         self.max_len = 0
         self.thread = threading.Thread(target=self._main, name="ftchat-engine", daemon=True)
         self.rows: list[Row | None] = [None] * parallel
         self.live: list[list[int] | None] = [None] * parallel  # tokens a whole row holds
+
+    @property
+    def error(self) -> str | None:
+        """Why loading failed, one line for /health and the status line (None: it did not)."""
+        e = self.load_error
+        return None if e is None else f"{type(e).__name__}: {e}"
 
     def start(self) -> None:
         self.thread.start()
@@ -147,7 +152,7 @@ class EngineWorker:
         try:
             self._load()
         except Exception as e:  # noqa: BLE001 - reported by /health and the log; serve exits
-            self.load_error, self.error = e, f"{type(e).__name__}: {e}"
+            self.load_error = e
             self.state = "failed"  # last: the error is set when serve sees the state
             return
         self.state = "ready"
