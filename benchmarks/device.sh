@@ -41,9 +41,14 @@
 #              VERIFY_S=560 a process] -> verify_<model>.json (totals and every shard)
 #   agent-soak `ftchat serve` on the demo model (--parallel PARALLEL=4), then scripts/agent_soak.py
 #              (the openai package) against it for MINUTES=2 once per SIDES=0,1,3 side calls
-#              fired beside each main turn, one JSON line every INTERVAL=30 s; each run
-#              under MINUTES + 1 min, the model's load under 2 min: keep the sum within a call
-#              -> agent_soak_demo.jsonl, agent_soak_serve.log
+#              fired beside each main turn, one JSON line every INTERVAL=30 s; runs longer than
+#              a call (SOAK_FG_S=540 s) start detached, and `agent-soak-wait` [WAIT_S=540]
+#              collects them in a later call -> agent_soak_demo.jsonl, agent_soak_serve.log
+#   serve-latency  `ftchat serve` on MODEL=demo (SLOTS=96, HISTORY=3500) or fn4 (the 4-layer
+#              flash-next checkpoint, SLOTS=137, CONTEXT=40960, HISTORY=4000,32000), then
+#              benchmarks/serve_latency.py: a second turn's time to first token reused vs cold,
+#              main-turn decode beside SIDES=0,1,3 side calls [TOKENS=256, REPS=3,
+#              PARALLEL=4] -> serve_latency_<model>.json, its log and the server's
 #   soak       scripts/soak.py on the demo model, prefetch on, budget 4, 96 slots [MINUTES=15];
 #              one that cannot finish within the call starts detached, and `soak-wait`
 #              [WAIT_S=540] collects it in a later call -> soak_demo.jsonl
@@ -56,6 +61,7 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}
 W=/tmp/ftchat_device  # scratch: shard lists, per-process outputs (not returned)
 MODES="gpu-tests decode48 offload48 prefill48 families e2e48 verify soak soak-wait agent-soak"
+MODES+=" agent-soak-wait serve-latency"
 FAILED=()
 PENDING=0
 
@@ -317,18 +323,18 @@ seeds_of() {  # "0-3,7" -> 0 1 2 3 7
   done
 }
 
+synth_fn4() {  # the 4-layer flash-next checkpoint at /tmp/fn4, written once a machine
+  [ -f /tmp/fn4/config.json ] && return
+  rm -rf /tmp/fn4
+  run_step synth-fn4 300 "$O/synth_fn4.log" "$O/synth_fn4.log.err" python3 -m ftchat.cli \
+    synth /tmp/fn4 --preset flash-next --layers 4 --format nvfp4-modelopt --dense nvfp4
+}
+
 verify() {
   local tag=${MODEL:-demo} model=() slots seeds seed files=() mps=0 batch=()
   case $tag in
     demo) slots=${SLOTS:-96} ;;
-    fn4)
-      slots=${SLOTS:-137} model=(/tmp/fn4)
-      if [ ! -f /tmp/fn4/config.json ]; then
-        rm -rf /tmp/fn4
-        run_step synth-fn4 300 "$O/synth_fn4.log" "$O/synth_fn4.log.err" python3 -m ftchat.cli \
-          synth /tmp/fn4 --preset flash-next --layers 4 --format nvfp4-modelopt --dense nvfp4 \
-          || return
-      fi ;;
+    fn4) slots=${SLOTS:-137} model=(/tmp/fn4); synth_fn4 || return ;;
     *)
       [ -n "${SLOTS:-}" ] || { echo "[verify] MODEL=$tag needs SLOTS" >&2; FAILED+=(verify); return; }
       slots=$SLOTS model=("$tag") tag=$(basename "$tag") ;;
@@ -410,34 +416,95 @@ soak_wait() {
   soak_collect
 }
 
-agent_soak() {  # ftchat serve on the demo model, scripts/agent_soak.py against it once per SIDES
-  local dir=$W/agent_soak port=${PORT:-8089} sides=${SIDES:-0,1,3} side pid up=0 i secs rc
-  local url=http://127.0.0.1:$port/v1 out=$O/agent_soak_demo.jsonl
-  rm -rf "$dir" && mkdir -p "$dir" && rm -f "$out"
-  python3 -m ftchat.cli serve --port "$port" --parallel "${PARALLEL:-4}" \
-    > "$dir/serve.out" 2> "$O/agent_soak_serve.log" &
-  pid=$!
-  for i in $(seq 240); do  # /health answers 200 once the model is loaded
-    python3 -c "import urllib.request as u; u.urlopen('${url%/v1}/health', timeout=2)" \
+# start_serve LOG ARGS...: `ftchat serve` in the background on $PORT; SERVE_PID once /health
+# answers 200 (the model loaded, within LOAD_S=240 s), else a message and status 1
+start_serve() {
+  local log=$1 i up=0
+  shift
+  python3 -m ftchat.cli serve --port "${PORT:-8089}" "$@" > /dev/null 2> "$log" &
+  SERVE_PID=$!
+  for ((i = 0; i < 2 * ${LOAD_S:-240}; i++)); do
+    python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:${PORT:-8089}/health', timeout=2)" \
       2> /dev/null && { up=1; break; }
-    kill -0 $pid 2> /dev/null || break
+    kill -0 $SERVE_PID 2> /dev/null || break
     sleep 0.5
   done
-  if [ $up = 0 ]; then
-    echo "[agent-soak] the server did not come up"; tail -n 5 "$O/agent_soak_serve.log"
-    kill $pid 2> /dev/null; wait $pid 2> /dev/null; FAILED+=(agent-soak); return
-  fi
+  [ $up = 1 ] && return 0
+  echo "[serve] the server did not come up:"; tail -n 5 "$log" | sed 's/^/    /'
+  kill $SERVE_PID 2> /dev/null; wait $SERVE_PID 2> /dev/null
+  return 1
+}
+
+stop_serve() {  # NAME: SIGINT, as a user's Ctrl-C; a non-zero exit is a failure of NAME
+  local rc
+  kill -INT $SERVE_PID 2> /dev/null; wait $SERVE_PID
+  rc=$?
+  echo "[$1] serve exit $rc"
+  [ $rc = 0 ] || FAILED+=("$1 serve")
+}
+
+agent_soak() {  # ftchat serve on the demo model, scripts/agent_soak.py against it once per SIDES
+  local dir=$W/agent_soak sides=${SIDES:-0,1,3} side secs runs bg=$W/agent_soak_bg
+  local url=http://127.0.0.1:${PORT:-8089}/v1 out=$O/agent_soak_demo.jsonl
   secs=$(awk -v m="${MINUTES:-2}" 'BEGIN { print int(m * 60 + 60) }')
+  runs=$(echo "${sides//,/ }" | wc -w)
+  if [ "${AGENT_DETACHED:-0}" = 0 ] && [ $((secs * runs + 120)) -gt "${SOAK_FG_S:-540}" ]; then
+    # longer than a call: this script again in its own session, from a copy (the next call
+    # rewrites the tree, and bash reads a script as it runs), collected by agent-soak-wait
+    if [ -f "$bg/pid" ] && kill -0 "$(cat "$bg/pid")" 2> /dev/null; then
+      echo "[agent-soak] one is running already: agent-soak-wait collects it"; PENDING=1; return
+    fi
+    rm -rf "$bg" && mkdir -p "$bg/out" && cp "$0" "$bg/device.sh"
+    setsid nohup env AGENT_DETACHED=1 OUT="$bg/out" TREE="$TREE" bash -c \
+      'bash "$0/device.sh" agent-soak > "$0/device.log" 2>&1; echo $? > "$0/rc"' "$bg" \
+      < /dev/null > /dev/null 2>&1 &
+    echo $! > "$bg/pid"
+    echo "[agent-soak] started detached ($runs x ${MINUTES:-2} min): run agent-soak-wait before the machine idles out"
+    PENDING=1; return
+  fi
+  rm -rf "$dir" && mkdir -p "$dir" && rm -f "$out"
+  start_serve "$O/agent_soak_serve.log" --parallel "${PARALLEL:-4}" \
+    || { FAILED+=(agent-soak); return; }
   for side in ${sides//,/ }; do
     run_step "agent-soak side $side" "$secs" "$dir/side$side.out" "$dir/side$side.err" \
       python3 scripts/agent_soak.py --url "$url" --minutes "${MINUTES:-2}" --side "$side" \
-      --server-pid $pid --interval "${INTERVAL:-30}" --out "$out" \
+      --server-pid $SERVE_PID --interval "${INTERVAL:-30}" --out "$out" \
       && tail -n 1 "$dir/side$side.out"
   done
-  kill -INT $pid 2> /dev/null; wait $pid
-  rc=$?
-  echo "[agent-soak] serve exit $rc: $(tail -n 1 "$O/agent_soak_serve.log")"
-  [ $rc = 0 ] || FAILED+=(agent-soak-serve)
+  stop_serve agent-soak
+}
+
+agent_soak_wait() {
+  local bg=$W/agent_soak_bg end=$((SECONDS + ${WAIT_S:-540}))
+  [ -d "$bg" ] || { echo "[agent-soak-wait] none was started on this machine"; FAILED+=(agent-soak); return; }
+  while [ ! -f "$bg/rc" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+  cp "$bg"/out/agent_soak_* "$O/" 2> /dev/null
+  tail -n 3 "$O/agent_soak_demo.jsonl" 2> /dev/null | cut -c1-400
+  if [ ! -f "$bg/rc" ]; then
+    echo "[agent-soak-wait] still running: call agent-soak-wait again"; PENDING=1
+  else
+    grep -v '^tree\|^20' "$bg/device.log" | tail -n 12
+    [ "$(cat "$bg/rc")" = 0 ] || FAILED+=(agent-soak)
+  fi
+}
+
+serve_latency() {  # ftchat serve on MODEL (demo or fn4), benchmarks/serve_latency.py against it
+  local tag=${MODEL:-demo} args=() history name
+  case $tag in
+    demo) args=(--slots "${SLOTS:-96}"); history=${HISTORY:-3500} ;;
+    fn4) synth_fn4 || return
+         args=(/tmp/fn4 --slots "${SLOTS:-137}" --context "${CONTEXT:-40960}")
+         history=${HISTORY:-4000,32000} ;;
+    *) echo "[serve-latency] MODEL is demo or fn4" >&2; FAILED+=(serve-latency); return ;;
+  esac
+  name=serve_latency_$tag
+  start_serve "$O/${name}_serve.log" "${args[@]}" --parallel "${PARALLEL:-4}" \
+    || { FAILED+=("$name"); return; }
+  run_step "$name" "${LATENCY_S:-400}" "$O/$name.json" "$O/$name.log" \
+    python3 benchmarks/serve_latency.py --url "http://127.0.0.1:${PORT:-8089}/v1" \
+    --history "$history" --sides "${SIDES:-0,1,3}" --main-tokens "${TOKENS:-256}" \
+    --reps "${REPS:-3}" && cat "$O/$name.log"
+  stop_serve "$name"
 }
 
 [ $# -ge 1 ] || usage
@@ -463,6 +530,8 @@ for m in $mode_list; do
     soak) soak ;;
     soak-wait) soak_wait ;;
     agent-soak) agent_soak ;;
+    agent-soak-wait) agent_soak_wait ;;
+    serve-latency) serve_latency ;;
   esac
 done
 if [ ${#FAILED[@]} -gt 0 ]; then

@@ -1,0 +1,187 @@
+"""Serve latency against a running `ftchat serve`: a second turn's time to first token with the
+conversation's prefix reused vs cold, and a main turn's decode with side calls beside it.
+
+    python benchmarks/serve_latency.py --url http://127.0.0.1:8080/v1 --history 3500,32000 \
+        [--sides 0,1,3] [--main-tokens 256] [--side-tokens 16] [--reps 3] [--json FILE]
+
+Time to first token (per history H, --reps times): turn 1 of a conversation whose user message
+holds about H tokens of code (untimed, 16 greedy tokens), then turn 2 (turn 1, its reply, a new
+question) with max_tokens 1, timed: the server reuses turn 1's kept state. The same turn 2
+with another system line (a fresh nonce in its first tokens) is the cold arm: the same length,
+no prefix to reuse. Each request's usage.prompt_tokens_details.cached_tokens is recorded.
+
+Decode beside side calls (per history H and side count k): one main turn streams --main-tokens
+greedy tokens after a prompt of about H tokens; once its first token arrives, k threads send
+short side calls back to back until it ends. Main-turn decode tok/s counts from its first token
+to its last; each side call's latency is request to full reply. The server needs
+--parallel >= 1 + max(k).
+
+One JSON object on stdout (and in --json): {"ttft": [...], "decode": [...]}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+
+QUESTION = "Summarize what this file does."
+FOLLOW_UP = "Now list the functions it defines."
+SIDE_ASKS = ("Give this conversation a short title.", "Is this about Python? Answer yes or no.",
+             "Summarize: merging sorted lists.")
+
+
+def filler(lines: int) -> str:
+    """Code-like text, `lines` lines (distinct, so no tokenizer merges them away)."""
+    return "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n" for i in range(lines))
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.client = openai.OpenAI(base_url=a.url, api_key=a.api_key, max_retries=0,
+                                    timeout=900)
+        self.nonce = 0
+        self.per_line = self.fixed = 0.0
+
+    def system(self) -> dict:
+        self.nonce += 1  # fixed width: the cold arm's prompt has the reused arm's length
+        return {"role": "system", "content": f"Session {self.nonce:06d}. You are a coding agent."}
+
+    def create(self, messages: list[dict], max_tokens: int):
+        t0 = time.perf_counter()
+        r = self.client.chat.completions.create(model="bench", messages=messages,
+                                                max_tokens=max_tokens, temperature=0)
+        return r, time.perf_counter() - t0
+
+    def calibrate(self) -> None:
+        """Prompt tokens per filler line, from two small cold prompts."""
+        counts = []
+        for lines in (20, 120):
+            r, _ = self.create([self.system(), {"role": "user", "content": filler(lines) + QUESTION}],
+                               1)
+            counts.append(r.usage.prompt_tokens)
+        self.per_line = (counts[1] - counts[0]) / 100
+        self.fixed = counts[0] - 20 * self.per_line
+
+    def prompt(self, history: int) -> str:
+        lines = max(1, int((history - self.fixed) / self.per_line))
+        return filler(lines) + QUESTION
+
+    def ttft(self, history: int) -> dict:
+        user = {"role": "user", "content": self.prompt(history)}
+        reuse_s, cold_s, cached_reuse, cached_cold, prompt_tokens = [], [], [], [], []
+        for _ in range(self.a.reps):
+            turn1 = [self.system(), user]
+            r1, _ = self.create(turn1, 16)
+            turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                             {"role": "user", "content": FOLLOW_UP}]
+            r, s = self.create(turn2, 1)
+            reuse_s.append(s)
+            cached_reuse.append(r.usage.prompt_tokens_details.cached_tokens)
+            prompt_tokens.append(r.usage.prompt_tokens)
+            r, s = self.create([self.system()] + turn2[1:], 1)
+            cold_s.append(s)
+            cached_cold.append(r.usage.prompt_tokens_details.cached_tokens)
+        return {"history": history, "prompt_tokens": prompt_tokens,
+                "reuse_s": [round(s, 4) for s in reuse_s], "cold_s": [round(s, 4) for s in cold_s],
+                "cached_tokens_reuse": cached_reuse, "cached_tokens_cold": cached_cold,
+                "reuse_median_s": round(statistics.median(reuse_s), 4),
+                "cold_median_s": round(statistics.median(cold_s), 4)}
+
+    def side_loop(self, done: threading.Event, latencies: list[float], lock) -> None:
+        i = 0
+        while not done.is_set():
+            ask = SIDE_ASKS[i % len(SIDE_ASKS)]
+            i += 1
+            r, s = self.create([{"role": "user", "content": ask}], self.a.side_tokens)
+            if r.choices[0].finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"side call ended with {r.choices[0].finish_reason}")
+            with lock:
+                latencies.append(s)
+
+    def decode(self, history: int, sides: int) -> dict:
+        # one system line per history: the warm-up's prompt state is reused by every arm
+        messages = [{"role": "system", "content": f"Main turn at {history} tokens."},
+                    {"role": "user", "content": self.prompt(history)}]
+        done, lock, latencies = threading.Event(), threading.Lock(), []
+        pool = ThreadPoolExecutor(max(sides, 1))
+        futures, first, last, gap, usage = [], None, None, 0.0, None
+        stream = self.client.chat.completions.create(
+            model="bench", messages=messages, max_tokens=self.a.main_tokens, temperature=0,
+            stream=True, stream_options={"include_usage": True})
+        try:
+            for chunk in stream:
+                now = time.perf_counter()
+                if chunk.usage is not None:
+                    usage = chunk.usage
+                if not chunk.choices:
+                    continue
+                d = chunk.choices[0].delta
+                if (d.content or getattr(d, "reasoning_content", None) or d.tool_calls):
+                    if first is None:
+                        first = now
+                        futures = [pool.submit(self.side_loop, done, latencies, lock)
+                                   for _ in range(sides)]
+                    elif last is not None:
+                        gap = max(gap, now - last)
+                    last = now
+        finally:
+            done.set()
+            for f in futures:
+                f.result()  # a side call's error fails the benchmark
+            pool.shutdown()
+        generated = usage.completion_tokens if usage else 0
+        tok_s = (generated - 1) / (last - first) if first and last and last > first else None
+        lat = sorted(latencies)
+        return {"history": history, "sides": sides, "prompt_tokens": usage.prompt_tokens,
+                "main_tokens": generated, "main_decode_tok_s": tok_s and round(tok_s, 2),
+                "main_worst_gap_s": round(gap, 4), "side_calls": len(lat),
+                "side_p50_s": round(lat[len(lat) // 2], 4) if lat else None,
+                "side_max_s": round(lat[-1], 4) if lat else None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--url", default="http://127.0.0.1:8080/v1")
+    p.add_argument("--api-key", default="none")
+    p.add_argument("--history", default="3500", help="prompt sizes in tokens, a comma list")
+    p.add_argument("--sides", default="0,1,3", help="side calls beside the main turn")
+    p.add_argument("--main-tokens", type=int, default=256)
+    p.add_argument("--side-tokens", type=int, default=16)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--json", help="also write the result here")
+    a = p.parse_args(argv)
+    try:
+        histories = [int(h) for h in a.history.split(",")]
+        sides = [int(s) for s in a.sides.split(",")]
+        b = Bench(a)
+        b.calibrate()
+        out = {"ttft": [], "decode": []}
+        for h in histories:
+            out["ttft"].append(b.ttft(h))
+            print(json.dumps(out["ttft"][-1]), file=sys.stderr, flush=True)
+        for h in histories:
+            b.decode(h, 0)  # warm-up: the prompt's state is kept for the arms below
+            for k in sides:
+                out["decode"].append(b.decode(h, k))
+                print(json.dumps(out["decode"][-1]), file=sys.stderr, flush=True)
+    except Exception as e:  # noqa: BLE001 - one line, exit 1
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    text = json.dumps(out, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
