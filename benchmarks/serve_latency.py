@@ -63,12 +63,12 @@ class Bench:
     def calibrate(self) -> None:
         """Prompt tokens per filler line, from two small cold prompts."""
         counts = []
-        for lines in (20, 120):
+        for lines in (8, 32):
             r, _ = self.create([self.system(), {"role": "user", "content": filler(lines) + QUESTION}],
                                1)
             counts.append(r.usage.prompt_tokens)
-        self.per_line = (counts[1] - counts[0]) / 100
-        self.fixed = counts[0] - 20 * self.per_line
+        self.per_line = (counts[1] - counts[0]) / 24
+        self.fixed = counts[0] - 8 * self.per_line
 
     def prompt(self, history: int) -> str:
         lines = max(1, int((history - self.fixed) / self.per_line))
