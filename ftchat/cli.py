@@ -202,13 +202,14 @@ def serve(
 @app.command(cls=_Command)
 def synth(
     out: Annotated[Path, typer.Argument(metavar="OUT", help="New folder to write")],
-    preset: Annotated[str, typer.Option(metavar="PRESET", help="Model geometry: tiny, "
-                                        "flash-next, qwen3.5-moe[-tiny], qwen3-next[-tiny], "
-                                        "qwen3-moe[-tiny]")] = "tiny",
+    preset: Annotated[str, typer.Option(
+        "--preset", metavar="PRESET", help="Model geometry: tiny, flash-next, "
+        "qwen3.5-moe[-tiny], qwen3-next[-tiny], qwen3-moe[-tiny]")] = "tiny",
     layers: Annotated[int | None, typer.Option(metavar="N", help="Decoder layers (preset's)")
                       ] = None,
     format: Annotated[str, typer.Option(
-        metavar="FORMAT", help="Expert format: bf16, nvfp4-modelopt or nvfp4-ct")] = "bf16",
+        "--format", metavar="FORMAT",
+        help="Expert format: bf16, nvfp4-modelopt or nvfp4-ct")] = "bf16",
     seed: Annotated[int, typer.Option("--seed", "-s", metavar="N",
                                       help="Random seed of the weights")] = 0,
     dense: Annotated[str, typer.Option(

@@ -108,8 +108,10 @@ PrefillChunk = Annotated[int | None, typer.Option(
          "plan's choice; larger: fewer expert copies, more VRAM)")]
 Device = Annotated[str | None, typer.Option(
     metavar="auto|cuda|cpu", rich_help_panel=MODEL, help="Where to run (default auto)")]
+# the flag named explicitly wherever the metavar is the parameter's name in capitals: typer
+# 0.27 makes such an option `--DTYPE`
 Dtype = Annotated[str | None, typer.Option(
-    metavar="DTYPE", rich_help_panel=MODEL,
+    "--dtype", metavar="DTYPE", rich_help_panel=MODEL,
     help="auto (default): bfloat16 on CUDA, float32 on CPU; or float32, bfloat16")]
 KvCacheDtype = Annotated[str | None, typer.Option(
     "--kv-cache-dtype", metavar="auto|fp8", rich_help_panel=MODEL,
@@ -190,7 +192,8 @@ Force = Annotated[bool | None, typer.Option(
 # ===== synthetic models (synth, info, bench) =====
 Layers = Annotated[int | None, typer.Option(metavar="N", help="Decoder layers of --synthetic")]
 Format = Annotated[str, typer.Option(
-    metavar="FORMAT", help="Expert format of --synthetic: bf16, nvfp4-modelopt or nvfp4-ct")]
+    "--format", metavar="FORMAT",
+    help="Expert format of --synthetic: bf16, nvfp4-modelopt or nvfp4-ct")]
 Dense = Annotated[str, typer.Option(
     metavar="bf16|nvfp4", help="Dense projections of --synthetic: bf16, or the GDN qkv and z "
     "kept in NVFP4 as the real checkpoint stores them")]
