@@ -165,7 +165,7 @@ class EngineWorker:
                     break
                 if job is None:
                     return
-                self._admit_job(job)
+                self._guard(job, lambda j: self._admit(self._pick_row(j.ids), j), job)
             filling = [b for b, r in enumerate(self.rows) if r is not None and r.pieces]
             if filling:  # one prefill chunk of the oldest prompt, then a decode step
                 b = min(filling, key=lambda b: self.rows[b].t0)
@@ -175,23 +175,18 @@ class EngineWorker:
 
     def _guard(self, job: Job | None, fn, *args) -> None:
         """Run fn; a failure ends the jobs it touched (`job`, or every decoding one) with an
-        error event, and the server goes on."""
+        error event, and the server goes on. A job that fails before it has a row (admission)
+        ends alone."""
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001
+            message = f"internal error: {type(e).__name__}: {e}"
             hit = [(b, r.job) for b, r in enumerate(self.rows)
                    if r is not None and (job is None or r.job is job)]
             for b, j in hit:
-                self._fail(b, j, f"internal error: {type(e).__name__}: {e}")
-
-    def _admit_job(self, job: Job) -> None:
-        """`_admit` into the row `_pick_row` chooses; a failure on the way ends this job alone
-        (and frees its row if it got one), and the engine thread goes on."""
-        try:
-            self._admit(self._pick_row(job.ids), job)
-        except Exception as e:  # noqa: BLE001
-            b = next((b for b, r in enumerate(self.rows) if r is not None and r.job is job), None)
-            self._fail(b, job, f"internal error: {type(e).__name__}: {e}")
+                self._fail(b, j, message)
+            if job is not None and not hit:
+                self._fail(None, job, message)
 
     def _fail(self, b: int | None, job: Job, message: str) -> None:
         """Job of row b (None: of no row yet) ends with an error event; the row's state is not
