@@ -11,7 +11,8 @@ with another system line (a fresh nonce in its first tokens) is the cold arm: th
 no prefix to reuse. Each request's usage.prompt_tokens_details.cached_tokens is recorded.
 
 Decode beside side calls (per history H and side count k): one main turn streams --main-tokens
-greedy tokens after a prompt of about H tokens; once its first token arrives, k threads send
+greedy tokens (/v1/completions: text streams as decoded) after a prompt of about H tokens;
+once its first token arrives, k threads send
 short side calls back to back until it ends. Main-turn decode tok/s counts from its first token
 to its last; each side call's latency is request to full reply. The server needs
 --parallel >= 1 + max(k).
@@ -109,31 +110,31 @@ class Bench:
                 latencies.append(s)
 
     def decode(self, history: int, sides: int) -> dict:
-        # one system line per history: the warm-up's prompt state is reused by every arm
-        messages = [{"role": "system", "content": f"Main turn at {history} tokens."},
-                    {"role": "user", "content": self.prompt(history)}]
+        # the main turn on /v1/completions: its text streams token by token whatever the model
+        # writes (a chat reply's text can be held back whole, e.g. a random-weight model's
+        # `<tool_call>` block, and the side calls would start at its end); one prompt per
+        # history, so the warm-up's prompt state is reused by every arm
+        prompt = f"Main turn at {history} tokens.\n{self.prompt(history)}\n"
         done, lock, latencies = threading.Event(), threading.Lock(), []
         pool = ThreadPoolExecutor(max(sides, 1))
         futures, first, last, gap, usage = [], None, None, 0.0, None
-        stream = self.client.chat.completions.create(
-            model="bench", messages=messages, max_tokens=self.a.main_tokens, temperature=0,
+        stream = self.client.completions.create(
+            model="bench", prompt=prompt, max_tokens=self.a.main_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True})
         try:
             for chunk in stream:
                 now = time.perf_counter()
                 if chunk.usage is not None:
                     usage = chunk.usage
-                if not chunk.choices:
+                if not chunk.choices or not chunk.choices[0].text:
                     continue
-                d = chunk.choices[0].delta
-                if (d.content or getattr(d, "reasoning_content", None) or d.tool_calls):
-                    if first is None:
-                        first = now
-                        futures = [pool.submit(self.side_loop, done, latencies, lock)
-                                   for _ in range(sides)]
-                    elif last is not None:
-                        gap = max(gap, now - last)
-                    last = now
+                if first is None:
+                    first = now
+                    futures = [pool.submit(self.side_loop, done, latencies, lock)
+                               for _ in range(sides)]
+                elif last is not None:
+                    gap = max(gap, now - last)
+                last = now
         finally:
             done.set()
             for f in futures:
