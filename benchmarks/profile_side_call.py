@@ -5,8 +5,11 @@ tokens is prefilled into row 0 and decodes; then short side calls join row 1 one
 other, as `serve_latency.py`'s do. Every engine-thread operation is timed with the device
 synchronized around it: a decode step with the main row alone, a side call's admission
 (checkpoint lookup and restore), each of its prefill chunks split into the forward and the
-checkpoint copy, the decode steps with both rows. The last side call runs again under
-torch.profiler; its top operations go to --trace (a text table).
+checkpoint copy, the decode steps with both rows. Two arms alternate: `merged` prefills as the
+server does (a split below worker.CHECKPOINT_MIN_TOKENS makes no checkpoint), `split` cuts the
+prompt at every split (the system prefix, the history) with a checkpoint at each, one prefill
+call per piece. The last side call runs again under torch.profiler; its top operations go to
+--trace (a text table).
 
     python benchmarks/profile_side_call.py [MODEL] --slots 96 --parallel 4 --json out.json
 """
@@ -26,8 +29,9 @@ from ftchat.resolve import resolve_model
 from ftchat.sampling import Sampling
 from ftchat.server.metrics import Metrics
 from ftchat.server.prompt import ChatRenderer
-from ftchat.server.worker import EngineWorker, Job
+from ftchat.server.worker import EngineWorker, Job, plan_prefill
 from ftchat.settings import Settings
+from ftchat.sizes import PREFILL_CHUNK
 
 WORDS = ("the engine keeps each conversation's state so that a second turn prefills only the "
          "tokens it adds while short side calls join the decode batch").split()
@@ -97,18 +101,23 @@ def main() -> int:
 
     w.dec.prefill, w.cache.add = prefill, add
     sides = []
-    for k in range(a.sides):
+    for k in range(2 * a.sides):
+        arm = ("merged", "split")[k % 2]
         forward_s.clear(), checkpoint_s.clear()
         side = job(f"side{k}", f"question {k}: name one file " + "x " * (k % 5),
                    "Answer in one line.", a.side_steps)
         _, s_admit = timed(w._admit, 1, side)
+        if arm == "split":
+            r = w.rows[1]
+            r.pieces = plan_prefill(r.cached, len(side.ids), side.splits,
+                                    w.dec.prefill_chunk or PREFILL_CHUNK, least=1)
         chunks = []
         while w.rows[1] is not None and w.rows[1].pieces:
             chunks.append(timed(w._prefill_chunk, 1)[1])
         both = []
         while w.rows[1] is not None:
             both.append(timed(w._step)[1])
-        sides.append({"tokens": len(side.ids), "splits": list(side.splits),
+        sides.append({"arm": arm, "tokens": len(side.ids), "splits": list(side.splits),
                       "admit_s": round(s_admit, 5), "chunk_s": [round(c, 5) for c in chunks],
                       "forward_s": [round(c, 5) for c in forward_s],
                       "checkpoint_s": [round(c, 5) for c in checkpoint_s],
@@ -142,6 +151,10 @@ def main() -> int:
            "main_prefill_s": round(main_prefill_s + admit_s, 4),
            "step_alone_ms_median": round(1e3 * statistics.median(alone), 3),
            "sides": sides}
+    for arm in ("merged", "split"):
+        mine = [x for x in sides[2:] if x["arm"] == arm]  # the first two: compiles, warm-up
+        out[f"{arm}_prefill_s_median"] = round(statistics.median(sum(x["chunk_s"])
+                                                                 for x in mine), 5)
     print(json.dumps({k: v for k, v in out.items() if k != "sides"}), flush=True)
     if a.json:
         with open(a.json, "w") as f:

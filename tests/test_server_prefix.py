@@ -10,7 +10,10 @@ from ftchat.model.tokenizer import Tokenizer
 from tests.server_util import ROOT, start_server
 
 FLAGS = ("--context", "1024")
-SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in Python."}
+# an agent's system prompt is long: ~345 tokens, above worker.CHECKPOINT_MIN_TOKENS (a shorter
+# one gets no checkpoint of its own)
+SYSTEM = {"role": "system", "content": "You are a helpful assistant. Answer in Python. " + " ".join(
+    f"Rule {i}: keep functions short and name them for what they do." for i in range(20))}
 U1 = {"role": "user", "content": "Write a function that adds two numbers."}
 U1_EDITED = {"role": "user", "content": "Write a function that multiplies two numbers."}
 U2 = {"role": "user", "content": "Now make it add three numbers."}

@@ -272,9 +272,15 @@ def test_a_template_that_iterates_the_arguments_gets_them_as_an_object(tmp_path)
 def test_prefill_plan():
     from ftchat.server.worker import plan_prefill
 
-    assert plan_prefill(0, 10, (), 4) == [(0, 4, False), (4, 8, False), (8, 10, True)]
-    assert plan_prefill(0, 10, (3, 10, 12), 4) == [(0, 3, True), (3, 7, False), (7, 10, True)]
-    assert plan_prefill(5, 10, (3, 7), 8) == [(5, 7, True), (7, 10, True)]  # 3: restored
+    assert plan_prefill(0, 10, (), 4, least=1) == [(0, 4, False), (4, 8, False), (8, 10, True)]
+    assert plan_prefill(0, 10, (3, 10, 12), 4, least=1) == [(0, 3, True), (3, 7, False),
+                                                           (7, 10, True)]
+    assert plan_prefill(5, 10, (3, 7), 8, least=1) == [(5, 7, True), (7, 10, True)]  # 3: restored
+    # a split shorter than `least` makes no checkpoint: a short prompt prefills in one call
+    assert plan_prefill(0, 40, (14, 28), 512) == [(0, 40, True)]
+    assert plan_prefill(0, 3000, (14, 2990), 4096) == [(0, 2990, True), (2990, 3000, True)]
+    assert plan_prefill(0, 600, (300, 590), 4096, least=300) == [(0, 300, True), (300, 590, True),
+                                                                 (590, 600, True)]
     long = plan_prefill(100, 20000, (), 1024)
     assert [p[1] for p in long if p[2]] == [8192, 16384, 20000]
     assert long[0] == (100, 1124, False) and all(b - a <= 1024 for a, b, _ in long)

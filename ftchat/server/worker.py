@@ -38,6 +38,10 @@ from ftchat.ui.run import apply_threads, plan_run
 
 WARM_UP_TOKENS = 8
 CHECKPOINT_EVERY = 8192  # tokens of a long prefill between two state checkpoints
+# a split below this many tokens gets no checkpoint of its own: each one cuts the prompt's
+# prefill into one more call, whose fixed cost (launches, the routed experts' copy or dequant)
+# outweighs prefilling so short a prefix again; a side call's short prompt prefills in one call
+CHECKPOINT_MIN_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -355,11 +359,13 @@ class EngineWorker:
 
 
 def plan_prefill(start: int, total: int, splits: Sequence[int], chunk: int,
-                 every: int = CHECKPOINT_EVERY) -> list[tuple[int, int, bool]]:
+                 every: int = CHECKPOINT_EVERY,
+                 least: int = CHECKPOINT_MIN_TOKENS) -> list[tuple[int, int, bool]]:
     """The prefill of tokens [start, total) as (from, to, checkpoint after) pieces of at most
-    `chunk` tokens: a checkpoint at each split (the system prefix, the history), every `every`
-    tokens of a long prompt, and at its end; a piece never crosses one of them."""
-    cuts = {c for c in splits if start < c < total}
+    `chunk` tokens: a checkpoint at each split (the system prefix, the history) of at least
+    `least` tokens, every `every` tokens of a long prompt, and at its end; a piece never
+    crosses one of them."""
+    cuts = {c for c in splits if start < c < total and c >= least}
     cuts.update(range(every, total, every))
     cuts = sorted(c for c in cuts if c > start) + [total]
     pieces = []
