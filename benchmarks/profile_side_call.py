@@ -56,7 +56,7 @@ def main() -> int:
     p.add_argument("--slots", type=int, default=96)
     p.add_argument("--parallel", type=int, default=4)
     p.add_argument("--context", type=int, default=None)
-    p.add_argument("--history", type=int, default=3500, help="main turn's prompt, in words")
+    p.add_argument("--history", type=int, default=2800, help="main turn's prompt, in words")
     p.add_argument("--sides", type=int, default=8, help="side calls, one after the other")
     p.add_argument("--side-steps", type=int, default=16)
     p.add_argument("--json", default=None)
@@ -78,6 +78,10 @@ def main() -> int:
 
     history = " ".join(WORDS[i % len(WORDS)] for i in range(a.history))
     main_job = job("main", history, "You are a coding agent.", 10**6)
+    room = w.max_len - len(main_job.ids) - 32 - 2 * a.sides * (a.side_steps + 1)
+    if room < 0:
+        sys.exit(f"--history {a.history}: {len(main_job.ids)} tokens leave no room for the "
+                 f"decode steps in the context of {w.max_len}")
     (_, admit_s) = timed(w._admit, 0, main_job)
     t = time.perf_counter()
     while w.rows[0].pieces:
