@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
@@ -23,6 +25,12 @@ def tiny_nvfp4(tmp_path_factory):
 def tiny_ct(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("ck") / "tiny-ct", "tiny", fmt="nvfp4-ct", seed=1)
 
+
+# A run started from a background job (`cmd &` in a script, nohup) inherits SIGINT ignored, and
+# its children keep an ignored signal across exec: the Ctrl-C tests' ftchat processes would never
+# see theirs. A handler here (Python's own) is reset to the default in every child.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Two cores in CI: intra-op threads fight each other and the other test workers (an index_add_
 # took 14 ms instead of microseconds under contention), so the tests run single-threaded.
