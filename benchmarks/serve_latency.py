@@ -11,7 +11,7 @@ with another system line (a fresh nonce in its first tokens) is the cold arm: th
 no prefix to reuse. Each request's usage.prompt_tokens_details.cached_tokens is recorded.
 
 Decode beside side calls (per history H and side count k): one main turn streams --main-tokens
-greedy tokens (/v1/completions: text streams as decoded) after a prompt of about H tokens;
+greedy tokens (/v1/completions: text streams as decoded; `ignore_eos`, so all of them) after a prompt of about H tokens;
 once its first token arrives, k threads send
 short side calls back to back until it ends. Main-turn decode tok/s counts from its first token
 to its last; each side call's latency is request to full reply. The server needs
@@ -120,7 +120,8 @@ class Bench:
         futures, first, last, gap, usage = [], None, None, 0.0, None
         stream = self.client.completions.create(
             model="bench", prompt=prompt, max_tokens=self.a.main_tokens, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})  # all --main-tokens: a trained model stops early
         try:
             for chunk in stream:
                 now = time.perf_counter()

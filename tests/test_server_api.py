@@ -138,6 +138,16 @@ def test_stop_and_max_tokens(client, reference):
     assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
 
 
+def test_ignore_eos_decodes_to_max_tokens(client):
+    ends = client.chat.completions.create(model="demo", messages=ASK, max_tokens=40)
+    assert ends.choices[0].finish_reason == "stop" and ends.usage.completion_tokens < 40
+    on = client.chat.completions.create(model="demo", messages=ASK, max_tokens=40,
+                                        extra_body={"ignore_eos": True})
+    assert on.choices[0].finish_reason == "length" and on.usage.completion_tokens == 40
+    text = on.choices[0].message.content
+    assert text.startswith(ends.choices[0].message.content) and "<|im_end|>" not in text
+
+
 def test_tools_are_rendered_into_the_prompt(client):
     tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}
@@ -168,6 +178,7 @@ BIG = "word " * 600  # over the 512-token context
     ({"messages": ASK, "response_format": {"type": "json_object"}}, 400, None),
     ({"messages": ASK, "temperature": -1}, 400, None),
     ({"messages": ASK, "stream": "yes"}, 400, None),
+    ({"messages": ASK, "ignore_eos": "yes"}, 400, None),
     ({"messages": [{"role": "user", "content": BIG}]}, 400, "context_length_exceeded"),
     (b"x" * (20 * 2**20), 413, None),
     (b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}', 400, None),  # lone surrogate

@@ -248,7 +248,8 @@ async def _respond(request: Request, cfg: ServerConfig, worker: EngineWorker, ki
     # a sampled request without a seed gets a random one now (the Sampler draws from it)
     job = Job(rid, list(ids), gen.max_tokens or max_len - len(ids), gen.stop,
               gen.sampling.with_seed(), splits,
-              lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev))
+              lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+              ignore_eos=gen.ignore_eos)
     if not worker.submit(job):
         raise ApiError(503, f"the server is busy: {worker.queue_size} requests already wait "
                        "(--queue); retry later", type="unavailable_error", code="queue_full",

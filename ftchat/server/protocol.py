@@ -47,6 +47,8 @@ class Generation:
     sampling: Sampling
     stream: bool
     include_usage: bool
+    ignore_eos: bool = False  # decode on past end-of-turn tokens (vLLM's and llama-server's
+    # extension: benchmarks that need replies of exactly max_tokens)
 
 
 @dataclass(frozen=True)
@@ -249,4 +251,7 @@ def _generation(body: dict, limit: int | None, defaults: Sampling) -> Generation
     if options is not None and not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     usage = bool((options or {}).get("include_usage"))
-    return Generation(limit, stops, sampling, bool(stream), usage)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool) and ignore_eos is not None:
+        raise bad("'ignore_eos' must be true or false", "ignore_eos")
+    return Generation(limit, stops, sampling, bool(stream), usage, bool(ignore_eos))

@@ -74,6 +74,7 @@ class Job:
     splits: tuple[int, ...]  # prompt lengths worth a checkpoint
     emit: Callable[[Delta | Finished | Failed], None]
     cancelled: threading.Event = field(default_factory=threading.Event)
+    ignore_eos: bool = False  # end-of-turn tokens neither end the reply nor show in its text
 
 
 @dataclass
@@ -323,9 +324,10 @@ class EngineWorker:
             self._fail(b, r.job, str(engine.broken_output(self.dec.m.dtype, where)))
             return
         r.generated.append(tok)
+        eos = self.session.tokenizer.eos_ids
         reason = engine.stop_reason(tok, len(r.generated), r.job.limit, r.length, self.max_len,
-                                    self.session.tokenizer.eos_ids)
-        if reason != "eos":
+                                    frozenset() if r.job.ignore_eos else eos)
+        if reason != "eos" and tok not in eos:
             piece = r.words.feed(r.text.feed(tok))
             if r.words.hit is not None:
                 reason = "stop_string"
