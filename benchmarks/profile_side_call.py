@@ -8,8 +8,9 @@ synchronized around it: a decode step with the main row alone, a side call's adm
 checkpoint copy, the decode steps with both rows. Two arms alternate: `merged` prefills as the
 server does (a split below worker.CHECKPOINT_MIN_TOKENS makes no checkpoint), `split` cuts the
 prompt at every split (the system prefix, the history) with a checkpoint at each, one prefill
-call per piece. The last side call runs again under torch.profiler; its top operations go to
---trace (a text table).
+call per piece. Every side call starts with the prefix cache empty. The last side call runs
+again (by the server's plan) under torch.profiler; its top operations go to --trace (a text
+table).
 
     python benchmarks/profile_side_call.py [MODEL] --slots 96 --parallel 4 --json out.json
 """
@@ -74,7 +75,8 @@ def main() -> int:
     def job(name: str, text: str, system: str, limit: int) -> Job:
         pr = render.prompt([{"role": "system", "content": system},
                             {"role": "user", "content": text}], [], {})
-        return Job(name, pr.ids, limit, (), Sampling(), pr.splits, events.append)
+        return Job(name, pr.ids, limit, (), Sampling(), pr.splits, events.append,
+                   ignore_eos=True)  # the main turn decodes throughout
 
     history = " ".join(WORDS[i % len(WORDS)] for i in range(a.history))
     main_job = job("main", history, "You are a coding agent.", 10**6)
@@ -105,11 +107,18 @@ def main() -> int:
 
     w.dec.prefill, w.cache.add = prefill, add
     sides = []
+    def ask(k: int) -> Job:
+        return job(f"side{k}", f"question {k}: name one file " + "x " * (k % 5),
+                   "Answer in one line.", a.side_steps)
+
     for k in range(2 * a.sides):
         arm = ("merged", "split")[k % 2]
         forward_s.clear(), checkpoint_s.clear()
-        side = job(f"side{k}", f"question {k}: name one file " + "x " * (k % 5),
-                   "Answer in one line.", a.side_steps)
+        # no side call restores another's checkpoint: each arm prefills its whole prompt by
+        # its own plan (the split arm's system-prefix checkpoint would serve the next call)
+        w.cache.items.clear()
+        assert w.rows[0] is not None, "the main turn ended"
+        side = ask(k)
         _, s_admit = timed(w._admit, 1, side)
         if arm == "split":
             r = w.rows[1]
@@ -129,9 +138,10 @@ def main() -> int:
                       if both else None, "steps": len(both)})
         print(json.dumps(sides[-1]), flush=True)
 
-    # the same side call again, under the profiler (cache hit on its system prefix)
+    # the last side call again, by the server's plan, under the profiler
     w.dec.prefill, w.cache.add = real_prefill, real_add
-    side = job("profiled", "question 0: name one file ", "Answer in one line.", a.side_steps)
+    w.cache.items.clear()
+    side = ask(2 * a.sides - 1)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)

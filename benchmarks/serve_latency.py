@@ -11,11 +11,11 @@ with another system line (a fresh nonce in its first tokens) is the cold arm: th
 no prefix to reuse. Each request's usage.prompt_tokens_details.cached_tokens is recorded.
 
 Decode beside side calls (per history H and side count k): one main turn streams --main-tokens
-greedy tokens (/v1/completions: text streams as decoded; `ignore_eos`, so all of them) after a prompt of about H tokens;
-once its first token arrives, k threads send
-short side calls back to back until it ends. Main-turn decode tok/s counts from its first token
-to its last; each side call's latency is request to full reply. The server needs
---parallel >= 1 + max(k).
+greedy tokens (on /v1/completions, whose text streams as decoded; with `ignore_eos`, so all of
+them) after a prompt of about H tokens; once its first token arrives, k threads send short
+side calls back to back until it ends. Main-turn decode tok/s counts from its first token to
+its end (the chunk with its finish reason); each side call's latency is request to full
+reply. The server needs --parallel >= 1 + max(k).
 
 One JSON object on stdout (and in --json): {"ttft": [...], "decode": [...]}.
 """
@@ -65,8 +65,8 @@ class Bench:
         """Prompt tokens per filler line, from two small cold prompts."""
         counts = []
         for lines in (8, 32):
-            r, _ = self.create([self.system(), {"role": "user", "content": filler(lines) + QUESTION}],
-                               1)
+            user = {"role": "user", "content": filler(lines) + QUESTION}
+            r, _ = self.create([self.system(), user], 1)
             counts.append(r.usage.prompt_tokens)
         self.per_line = (counts[1] - counts[0]) / 24
         self.fixed = counts[0] - 8 * self.per_line
@@ -127,15 +127,18 @@ class Bench:
                 now = time.perf_counter()
                 if chunk.usage is not None:
                     usage = chunk.usage
-                if not chunk.choices or not chunk.choices[0].text:
+                if not chunk.choices:
                     continue
-                if first is None:
-                    first = now
-                    futures = [pool.submit(self.side_loop, done, latencies, lock)
-                               for _ in range(sides)]
-                elif last is not None:
-                    gap = max(gap, now - last)
-                last = now
+                if chunk.choices[0].text:
+                    if first is None:
+                        first = now
+                        futures = [pool.submit(self.side_loop, done, latencies, lock)
+                                   for _ in range(sides)]
+                    elif last is not None:
+                        gap = max(gap, now - last)
+                    last = now
+                if chunk.choices[0].finish_reason and first is not None:
+                    last = now  # its last tokens may carry no text (held back, end-of-turn)
         finally:
             done.set()
             for f in futures:
