@@ -42,7 +42,13 @@ ADD = [{"role": "system", "content": "Be brief."},
        {"role": "user", "content": "Write a function that adds two numbers."}]
 LONG = [{"role": "user", "content": "Read this list and say what it holds: "
          + ", ".join(f"item {i}" for i in range(200))}]
-CHATS = [(ASK, 32), (ADD, 32)]
+# an agent's long system prompt (~345 tokens): a checkpoint of its own at the end of the history
+# (a shorter point gets none: worker.CHECKPOINT_MIN_TOKENS)
+AGENT = [{"role": "system", "content": "You are a helpful assistant. Answer in Python. "
+          + " ".join(f"Rule {i}: keep functions short and name them for what they do."
+                     for i in range(20))},
+         {"role": "user", "content": "Write a function that adds two numbers."}]
+CHATS = [(ASK, 32), (ADD, 32), (AGENT, 16)]
 PAIR = [(LONG, 16), (ADD, 32)]  # the concurrent pair: the long prompt first, then the short
 
 
@@ -119,11 +125,11 @@ def test_a_restored_checkpoint_gives_run_tokens(setup, tok):
     same rendered prompt restores it and prefills only the generation prompt: still run's
     tokens."""
     server, ref = setup["graph"]
-    messages, n = CHATS[1]
+    messages, n = CHATS[2]
     _create(server, "chat/completions", messages=messages, max_tokens=n)
     r = _create(server, "completions", prompt=tok.render_chat(messages), max_tokens=n)
     assert r["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert r["choices"][0]["text"] == _text(tok, ref[1])
+    assert r["choices"][0]["text"] == _text(tok, ref[2])
 
 
 def _text(tok, ref: dict) -> str:
