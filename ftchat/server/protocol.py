@@ -244,14 +244,17 @@ def _generation(body: dict, limit: int | None, defaults: Sampling) -> Generation
     sampled = temperature > 0
     sampling = Sampling(temperature, top_k if sampled else 0, top_p if sampled else 1.0,
                         penalty, seed, min_p if sampled else 0.0)
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool) and stream is not None:
-        raise bad("'stream' must be true or false", "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise bad("'stream_options' must be an object", "stream_options")
     usage = bool((options or {}).get("include_usage"))
-    ignore_eos = body.get("ignore_eos", False)
-    if not isinstance(ignore_eos, bool) and ignore_eos is not None:
-        raise bad("'ignore_eos' must be true or false", "ignore_eos")
-    return Generation(limit, stops, sampling, bool(stream), usage, bool(ignore_eos))
+    return Generation(limit, stops, sampling, _flag(body, "stream"), usage,
+                      _flag(body, "ignore_eos"))
+
+
+def _flag(body: dict, name: str) -> bool:
+    """A true / false field (null or absent: false)."""
+    x = body.get(name)
+    if not isinstance(x, bool) and x is not None:
+        raise bad(f"'{name}' must be true or false", name)
+    return bool(x)

@@ -328,7 +328,7 @@ class EngineWorker:
         eos = self.session.tokenizer.eos_ids
         reason = engine.stop_reason(tok, len(r.generated), r.job.limit, r.length, self.max_len,
                                     frozenset() if r.job.ignore_eos else eos)
-        if reason != "eos" and tok not in eos:
+        if tok not in eos:  # an end-of-turn token's text is never shown
             piece = r.words.feed(r.text.feed(tok))
             if r.words.hit is not None:
                 reason = "stop_string"
