@@ -11,11 +11,15 @@ with another system line (a fresh nonce in its first tokens) is the cold arm: th
 no prefix to reuse. Each request's usage.prompt_tokens_details.cached_tokens is recorded.
 
 Decode beside side calls (per history H and side count k): one main turn streams --main-tokens
-greedy tokens (on /v1/completions, whose text streams as decoded; with `ignore_eos`, so all of
-them) after a prompt of about H tokens; once its first token arrives, k threads send short
-side calls back to back until it ends. Main-turn decode tok/s counts from its first token to
-its end (the chunk with its finish reason); each side call's latency is request to full
-reply. The server needs --parallel >= 1 + max(k).
+greedy tokens (on /v1/completions, with `ignore_eos`, so all of them) after a prompt of about H
+tokens (the warm-up's prompt: its prefix is reused, so its prefill is short); as soon as the
+server has taken it, k threads send short side calls back to back until it ends. Main-turn
+decode tok/s is the server's own (`timings.predicted_per_second` of the usage chunk: its decode
+steps' tokens over their time), which holds also when the client sees no text per token (a
+random-weight checkpoint's ids often decode to no text); the client's view, first text chunk to
+the finish chunk, and its worst gap between text chunks are kept beside it when the text
+streamed. Each side call's latency is request to full reply. The server needs --parallel >=
+1 + max(k).
 
 One JSON object on stdout (and in --json): {"ttft": [...], "decode": [...]}.
 """
@@ -117,23 +121,22 @@ class Bench:
         prompt = f"Main turn at {history} tokens.\n{self.prompt(history)}\n"
         done, lock, latencies = threading.Event(), threading.Lock(), []
         pool = ThreadPoolExecutor(max(sides, 1))
-        futures, first, last, gap, usage = [], None, None, 0.0, None
+        first, last, gap, usage, timings = None, None, 0.0, None, None
         stream = self.client.completions.create(
             model="bench", prompt=prompt, max_tokens=self.a.main_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True},
             extra_body={"ignore_eos": True})  # all --main-tokens: a trained model stops early
+        futures = [pool.submit(self.side_loop, done, latencies, lock) for _ in range(sides)]
         try:
             for chunk in stream:
                 now = time.perf_counter()
                 if chunk.usage is not None:
-                    usage = chunk.usage
+                    usage, timings = chunk.usage, (chunk.model_extra or {}).get("timings")
                 if not chunk.choices:
                     continue
                 if chunk.choices[0].text:
                     if first is None:
                         first = now
-                        futures = [pool.submit(self.side_loop, done, latencies, lock)
-                                   for _ in range(sides)]
                     elif last is not None:
                         gap = max(gap, now - last)
                     last = now
@@ -145,11 +148,13 @@ class Bench:
                 f.result()  # a side call's error fails the benchmark
             pool.shutdown()
         generated = usage.completion_tokens if usage else 0
-        tok_s = (generated - 1) / (last - first) if first and last and last > first else None
+        client = (generated - 1) / (last - first) if first and last and last > first else None
+        server = (timings or {}).get("predicted_per_second")
         lat = sorted(latencies)
         return {"history": history, "sides": sides, "prompt_tokens": usage.prompt_tokens,
-                "main_tokens": generated, "main_decode_tok_s": tok_s and round(tok_s, 2),
-                "main_worst_gap_s": round(gap, 4), "side_calls": len(lat),
+                "main_tokens": generated, "main_decode_tok_s": server,
+                "main_decode_tok_s_client": client and round(client, 2),
+                "main_worst_gap_s": round(gap, 4) if client else None, "side_calls": len(lat),
                 "side_p50_s": round(lat[len(lat) // 2], 4) if lat else None,
                 "side_max_s": round(lat[-1], 4) if lat else None}
 

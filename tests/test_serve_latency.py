@@ -43,3 +43,4 @@ def test_serve_latency_arms(tmp_path, capsys):
     assert (alone["sides"], alone["side_calls"]) == (0, 0)
     assert beside["sides"] == 1 and beside["side_calls"] >= 1, beside
     assert alone["main_tokens"] == beside["main_tokens"] == 8  # ignore_eos: all of them
+    assert alone["main_decode_tok_s"] > 0 and beside["main_decode_tok_s"] > 0  # the server's

@@ -72,7 +72,14 @@ def test_a_prompt_that_extends_the_kept_state(servers, tok):
     first = c.completions.create(model="demo", prompt=prompt, max_tokens=6).choices[0].text
     longer = prompt + first + "\n# more"
     r = c.completions.create(model="demo", prompt=longer, max_tokens=6)
-    assert r.usage.prompt_tokens_details.cached_tokens >= len(tok.encode(prompt))
+    cached = r.usage.prompt_tokens_details.cached_tokens
+    assert cached >= len(tok.encode(prompt))
+    # llama-server's `timings`: the engine prefilled only the rest; its decode steps made every
+    # token but the first (which ends the prefill)
+    t = r.model_extra["timings"]
+    assert (t["cache_n"], t["prompt_n"]) == (cached, r.usage.prompt_tokens - cached), t
+    assert t["predicted_n"] == r.usage.completion_tokens - 1 and t["predicted_ms"] > 0, (t, r.usage)
+    assert t["predicted_per_second"] > 0 and t["prompt_per_second"] > 0, t
     cold_c = openai.OpenAI(base_url=cold.base_url, api_key="none", max_retries=0)
     assert r.choices[0].text == cold_c.completions.create(
         model="demo", prompt=longer, max_tokens=6).choices[0].text

@@ -308,7 +308,8 @@ class _Shape:
         else:
             choice = {"index": 0, "text": text, "logprobs": None,
                       "finish_reason": FINISH[ev.reason]}
-        return {**self._head(self.kind), "choices": [choice], "usage": _usage(ev)}
+        return {**self._head(self.kind), "choices": [choice], "usage": _usage(ev),
+                "timings": _timings(ev)}
 
     def chunk(self, delta: dict | str, finish: str | None = None) -> str:
         if self.reply is not None:
@@ -321,7 +322,8 @@ class _Shape:
 
     def usage_chunk(self, ev: Finished) -> str:
         kind = "chat.completion.chunk" if self.reply is not None else "text_completion"
-        return _sse({**self._head(kind), "choices": [], "usage": _usage(ev)})
+        return _sse({**self._head(kind), "choices": [], "usage": _usage(ev),
+                     "timings": _timings(ev)})
 
 
 async def _stream(events: asyncio.Queue, job: Job, shape: _Shape, gen: Generation,
@@ -362,6 +364,20 @@ def _usage(ev: Finished) -> dict:
     return {"prompt_tokens": ev.prompt_tokens, "completion_tokens": ev.completion_tokens,
             "total_tokens": ev.prompt_tokens + ev.completion_tokens,
             "prompt_tokens_details": {"cached_tokens": ev.cached_tokens}}
+
+
+def _timings(ev: Finished) -> dict:
+    """The engine's own timing of a request, in llama-server's `timings` fields: the prompt
+    tokens it prefilled (the cached ones are cache_n) and the tokens of its decode steps (the
+    first generated token ends the prefill). A client that sees no text per token (a reply held
+    back, a random-weight model's ids without text) still reads the decode rate here."""
+    prefilled = ev.prompt_tokens - ev.cached_tokens
+    return {"cache_n": ev.cached_tokens,
+            "prompt_n": prefilled, "prompt_ms": round(ev.prefill_s * 1e3, 3),
+            "prompt_per_second": round(prefilled / ev.prefill_s, 2) if ev.prefill_s > 0 else None,
+            "predicted_n": ev.decoded_tokens, "predicted_ms": round(ev.decode_s * 1e3, 3),
+            "predicted_per_second": (round(ev.decoded_tokens / ev.decode_s, 2)
+                                     if ev.decode_s > 0 and ev.decoded_tokens else None)}
 
 
 def _sse(obj: dict) -> str:

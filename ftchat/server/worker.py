@@ -58,6 +58,7 @@ class Finished:
     completion_tokens: int
     prefill_s: float
     decode_s: float
+    decoded_tokens: int = 0  # tokens from decode steps (the first token comes from the prefill)
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,7 @@ class EngineWorker:
                                prefilled, decode_s, r.decode_tokens, stats, reason))
         self._release(b)
         r.job.emit(Finished(reason, len(ids), r.cached, len(r.generated), r.prefill_s,
-                            decode_s))
+                            decode_s, r.decode_tokens))
 
 
 def plan_prefill(start: int, total: int, splits: Sequence[int], chunk: int,
