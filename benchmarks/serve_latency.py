@@ -18,8 +18,8 @@ decode tok/s is the server's own (`timings.predicted_per_second` of the usage ch
 steps' tokens over their time), which holds also when the client sees no text per token (a
 random-weight checkpoint's ids often decode to no text); the client's view, first text chunk to
 the finish chunk, and its worst gap between text chunks are kept beside it when the text
-streamed. Each side call's latency is request to full reply. The server needs --parallel >=
-1 + max(k).
+streamed (in at least half as many chunks as tokens). Each side call's latency is request to
+full reply. The server needs --parallel >= 1 + max(k).
 
 One JSON object on stdout (and in --json): {"ttft": [...], "decode": [...]}.
 """
@@ -121,7 +121,7 @@ class Bench:
         prompt = f"Main turn at {history} tokens.\n{self.prompt(history)}\n"
         done, lock, latencies = threading.Event(), threading.Lock(), []
         pool = ThreadPoolExecutor(max(sides, 1))
-        first, last, gap, usage, timings = None, None, 0.0, None, None
+        first, last, gap, usage, timings, texts = None, None, 0.0, None, None, 0
         stream = self.client.completions.create(
             model="bench", prompt=prompt, max_tokens=self.a.main_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True},
@@ -135,6 +135,7 @@ class Bench:
                 if not chunk.choices:
                     continue
                 if chunk.choices[0].text:
+                    texts += 1
                     if first is None:
                         first = now
                     elif last is not None:
@@ -148,7 +149,9 @@ class Bench:
                 f.result()  # a side call's error fails the benchmark
             pool.shutdown()
         generated = usage.completion_tokens if usage else 0
-        client = (generated - 1) / (last - first) if first and last and last > first else None
+        # the client's view only where the text streamed (a chunk for most tokens)
+        streamed = texts >= generated / 2 and first and last and last > first
+        client = (generated - 1) / (last - first) if streamed else None
         server = (timings or {}).get("predicted_per_second")
         lat = sorted(latencies)
         return {"history": history, "sides": sides, "prompt_tokens": usage.prompt_tokens,
