@@ -65,6 +65,27 @@ def test_an_edit_mid_history_restores_the_system_prefix(servers, tok):
     assert reply == chat(cold, edited)[0]
 
 
+def test_the_same_request_again_prefills_nothing_and_replies_the_same(servers):
+    # a retry or a regenerated reply: the whole prompt's checkpoint and its last logits are
+    # restored, nothing is prefilled, and the reply is the cold server's, greedy and sampled
+    warm, cold = servers
+    messages = [SYSTEM, {"role": "user", "content": "Write a function that sorts a list."}]
+    c = openai.OpenAI(base_url=warm.base_url, api_key="none", max_retries=0)
+    cold_c = openai.OpenAI(base_url=cold.base_url, api_key="none", max_retries=0)
+    for sampling in ({}, {"temperature": 0.9, "seed": 7}):
+        first = c.chat.completions.create(model="demo", messages=messages, max_tokens=8,
+                                          **sampling)
+        again = c.chat.completions.create(model="demo", messages=messages, max_tokens=8,
+                                          **sampling)
+        assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens
+        assert again.model_extra["timings"]["prompt_n"] == 0
+        ref = cold_c.chat.completions.create(model="demo", messages=messages, max_tokens=8,
+                                             **sampling)
+        assert ref.usage.prompt_tokens_details.cached_tokens == 0
+        text = [r.choices[0].message.content for r in (first, again, ref)]
+        assert text[0] == text[1] == text[2], (sampling, text)
+
+
 def test_a_prompt_that_extends_the_kept_state(servers, tok):
     warm, cold = servers
     c = openai.OpenAI(base_url=warm.base_url, api_key="none", max_retries=0)

@@ -374,7 +374,8 @@ def _timings(ev: Finished) -> dict:
     prefilled = ev.prompt_tokens - ev.cached_tokens
     return {"cache_n": ev.cached_tokens,
             "prompt_n": prefilled, "prompt_ms": round(ev.prefill_s * 1e3, 3),
-            "prompt_per_second": round(prefilled / ev.prefill_s, 2) if ev.prefill_s > 0 else None,
+            "prompt_per_second": (round(prefilled / ev.prefill_s, 2)
+                                  if ev.prefill_s > 0 and prefilled else None),
             "predicted_n": ev.decoded_tokens, "predicted_ms": round(ev.decode_s * 1e3, 3),
             "predicted_per_second": (round(ev.decoded_tokens / ev.decode_s, 2)
                                      if ev.decode_s > 0 and ev.decoded_tokens else None)}

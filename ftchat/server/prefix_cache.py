@@ -4,7 +4,9 @@ The GDN and conv states are recurrent: they cannot be rolled back to an earlier 
 engine copies the row's whole state at chosen points (the end of the system prefix, of the
 history before the generation prompt, of a prompt) into host memory: the recurrent tensors
 whole, the attention K/V and index keys up to the checkpoint's length. A request whose tokens
-start with a checkpoint's restores it and prefills only the rest. Checkpoints are kept under a
+start with a checkpoint's restores it and prefills only the rest; one whose tokens are a whole
+prompt's checkpoint (a retry, a regenerated reply) also restores that prompt's last logits and
+prefills nothing. Checkpoints are kept under a
 byte budget, least recently used evicted first.
 """
 
@@ -27,10 +29,14 @@ from ftchat.model.state import DecodeState
 class Checkpoint:
     tokens: tuple[int, ...]
     parts: list[Tensor]  # host copies, in `_views` order
+    # [1, V] host copy of the last token's logits, kept at the end of a prompt: the same prompt
+    # again restores the checkpoint and samples from them, with nothing to prefill
+    logits: Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.parts)
+        extra = [] if self.logits is None else [self.logits]
+        return sum(t.numel() * t.element_size() for t in [*self.parts, *extra])
 
 
 def _views(state: DecodeState, row: int, length: int) -> list[Tensor]:
@@ -50,10 +56,13 @@ def _views(state: DecodeState, row: int, length: int) -> list[Tensor]:
     return [t.view(torch.uint8) if t.dtype == FP8 else t for t in out]
 
 
-def save(state: DecodeState, row: int, tokens: Sequence[int]) -> Checkpoint:
-    """A host copy of row `row`, which holds exactly `tokens`."""
+def save(state: DecodeState, row: int, tokens: Sequence[int],
+         logits: Tensor | None = None) -> Checkpoint:
+    """A host copy of row `row`, which holds exactly `tokens` (and of the last token's logits
+    [1, V], when given)."""
     return Checkpoint(tuple(tokens), [t.to("cpu", copy=True)
-                                      for t in _views(state, row, len(tokens))])
+                                      for t in _views(state, row, len(tokens))],
+                      None if logits is None else logits.to("cpu", copy=True))
 
 
 def restore(state: DecodeState, row: int, ck: Checkpoint) -> None:
@@ -90,26 +99,35 @@ class PrefixCache:
         return sum(c.nbytes for c in self.items.values())
 
     def best(self, ids: Sequence[int]) -> Checkpoint | None:
-        """The longest checkpoint whose tokens start `ids` and leave at least one to prefill."""
+        """The longest checkpoint whose tokens start `ids` and leave at least one to prefill,
+        or that holds all of `ids` with their last logits."""
         found = None
         for ck in self.items.values():
             n = len(ck.tokens)
-            if n < len(ids) and (found is None or n > len(found.tokens)) \
+            usable = n < len(ids) or (n == len(ids) and ck.logits is not None)
+            if usable and (found is None or n > len(found.tokens)) \
                     and tuple(ids[:n]) == ck.tokens:
                 found = ck
         if found is not None:
             self.items.move_to_end(found.tokens)
         return found
 
-    def add(self, state: DecodeState, row: int, tokens: Sequence[int]) -> None:
+    def add(self, state: DecodeState, row: int, tokens: Sequence[int],
+            logits: Tensor | None = None) -> None:
+        """Keep row `row`, which holds exactly `tokens`; with `logits` [1, V], their last
+        token's (the end of a prompt)."""
         key = tuple(tokens)
-        if self.budget <= 0 or key in self.items:
-            if key in self.items:
-                self.items.move_to_end(key)
+        if self.budget <= 0:
             return
-        ck = save(state, row, tokens)
-        if ck.nbytes > self.budget:
-            return
-        self.items[key] = ck
+        if key in self.items:
+            self.items.move_to_end(key)
+            ck = self.items[key]
+            if ck.logits is None and logits is not None:
+                ck.logits = logits.to("cpu", copy=True)
+        else:
+            ck = save(state, row, tokens, logits)
+            if ck.nbytes > self.budget:
+                return
+            self.items[key] = ck
         while self.nbytes > self.budget:
             self.items.popitem(last=False)

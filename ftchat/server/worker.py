@@ -234,17 +234,19 @@ class EngineWorker:
                 return b
         return next((b for b in free if self.live[b] is None), free[0])
 
-    def _start(self, b: int, ids: list[int]) -> int:
-        """Put row b at the longest reusable prefix of `ids`; the tokens it holds."""
+    def _start(self, b: int, ids: list[int]) -> tuple[int, torch.Tensor | None]:
+        """Put row b at the longest reusable prefix of `ids`: the tokens it holds, and when
+        that is all of `ids` (a checkpoint of the same prompt) their last logits [1, V]."""
         live, self.live[b] = self.live[b], None  # the row is rewritten from here on
         if live is not None and len(live) < len(ids) and ids[:len(live)] == live:
-            return len(live)
+            return len(live), None
         self.dec.state.reset(slice(b, b + 1), self.session.model.args.eos_token_id or 0)
         ck = self.cache.best(ids)
         if ck is None:
-            return 0
+            return 0, None
         restore(self.dec.state, b, ck)
-        return len(ck.tokens)
+        whole = len(ck.tokens) == len(ids)
+        return len(ck.tokens), ck.logits.to(self.dec.m.device) if whole else None
 
     def _admit(self, b: int, job: Job) -> None:
         """Give job row b: restore the longest reusable prefix, and plan the prefill of the
@@ -259,9 +261,13 @@ class EngineWorker:
             self.rows[b] = row
             self._gauges()
         try:
-            start = row.cached = self._start(b, job.ids)
+            start, logits = self._start(b, job.ids)
         except Exception as e:  # noqa: BLE001 - the restore failed: this job ends
             self._guard(job, _raise, e)
+            return
+        row.cached = start
+        if logits is not None:  # the whole prompt restored: nothing to prefill
+            self._first_token(b, row, logits)
             return
         row.pieces = plan_prefill(start, len(job.ids), job.splits,
                                   self.dec.prefill_chunk or PREFILL_CHUNK)
@@ -277,15 +283,20 @@ class EngineWorker:
             return
         logits = dec.prefill(b, torch.tensor(ids[i:j]), i)  # [1, V] of token j - 1
         self.metrics.count_tokens(prefilled=j - i)
-        if checkpoint:
-            self.cache.add(dec.state, b, ids[:j])
+        if checkpoint:  # at the end of the prompt with its logits (the same prompt again)
+            self.cache.add(dec.state, b, ids[:j], logits if j == len(ids) else None)
             self.metrics.cache_bytes = self.cache.nbytes
         if row.pieces:
             return
-        row.length = len(ids)
+        self._first_token(b, row, logits)
+
+    def _first_token(self, b: int, row: Row, logits: torch.Tensor) -> None:
+        """Row b holds the whole prompt and `logits` [1, V] are its last token's: choose the
+        reply's first token."""
+        row.length = len(row.job.ids)
         if not row.job.sampling.greedy:
-            row.sampler = Sampler([row.job.sampling], [ids], dec.m.device)
-        tok = _pick(logits, [row])[0]  # logits [1, V]
+            row.sampler = Sampler([row.job.sampling], [row.job.ids], self.dec.m.device)
+        tok = _pick(logits, [row])[0]
         row.prefill_s = time.perf_counter() - row.t0
         row.decode_t0 = time.perf_counter()
         self._accept(b, row, tok)
@@ -403,7 +414,7 @@ def _raise(e: Exception) -> None:
 
 def _log_line(rid, prompt, cached, generated, prefill_s, prefilled, decode_s, decoded, stats,
               reason) -> str:
-    pf = f"{prefilled / prefill_s:.1f}" if prefill_s > 0 else "-"
+    pf = f"{prefilled / prefill_s:.1f}" if prefill_s > 0 and prefilled else "-"
     dc = f"{decoded / decode_s:.1f}" if decode_s > 0 and decoded else "-"
     mpt = stats.get("misses_per_token")
     misses = f", {mpt:.2f} misses/token" if mpt is not None else ""
