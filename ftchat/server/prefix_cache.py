@@ -6,8 +6,7 @@ history before the generation prompt, of a prompt) into host memory: the recurre
 whole, the attention K/V and index keys up to the checkpoint's length. A request whose tokens
 start with a checkpoint's restores it and prefills only the rest; one whose tokens are a whole
 prompt's checkpoint (a retry, a regenerated reply) also restores that prompt's last logits and
-prefills nothing. Checkpoints are kept under a
-byte budget, least recently used evicted first.
+prefills nothing. Checkpoints are kept under a byte budget, least recently used evicted first.
 """
 
 from __future__ import annotations
