@@ -116,17 +116,13 @@ class PrefixCache:
         """Keep row `row`, which holds exactly `tokens`; with `logits` [1, V], their last
         token's (the end of a prompt)."""
         key = tuple(tokens)
-        if self.budget <= 0:
+        if self.budget <= 0 or key in self.items:
+            if key in self.items:
+                self.items.move_to_end(key)
             return
-        if key in self.items:
-            self.items.move_to_end(key)
-            ck = self.items[key]
-            if ck.logits is None and logits is not None:
-                ck.logits = logits.to("cpu", copy=True)
-        else:
-            ck = save(state, row, tokens, logits)
-            if ck.nbytes > self.budget:
-                return
-            self.items[key] = ck
+        ck = save(state, row, tokens, logits)
+        if ck.nbytes > self.budget:
+            return
+        self.items[key] = ck
         while self.nbytes > self.budget:
             self.items.popitem(last=False)
