@@ -17,6 +17,10 @@
 #   offload48  the same offloaded at SLOTS=1650 [ARMS='resident;off;on;on:budget=4',
 #              CTX=32k,255k, ROUTING=model (or calibrated[:FIT], trace:FILE: bench --routing)]
 #              -> decode48_offload.json
+#   offload-demo  the same on the trained demo model (8 layers, 64 experts top-8) offloaded at
+#              SLOTS=96, its own routing and a trace recorded from it, one process each
+#              [ARMS='resident;off;on:budget=1;on:budget=auto', CTX=3k, DEMO_ROUTING=model,
+#              trace:docs/results/routing_trace_demo.jsonl] -> offload_demo_<source>.json
 #   prefill48  prompt prefill tok/s at 48 layers, offloaded at 1,650 slots (staging, layer
 #              streaming) and resident: benchmarks/profile_prefill.py [LENGTHS=32768 (a comma
 #              list: one process each), CHUNKS=8192, PREFILL_ARMS=offload,resident,
@@ -60,8 +64,8 @@ set -u
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 O=${OUT:-/tmp/out}
 W=/tmp/ftchat_device  # scratch: shard lists, per-process outputs (not returned)
-MODES="gpu-tests decode48 offload48 prefill48 families e2e48 verify soak soak-wait agent-soak"
-MODES+=" agent-soak-wait serve-latency"
+MODES="gpu-tests decode48 offload48 offload-demo prefill48 families e2e48 verify soak soak-wait"
+MODES+=" agent-soak agent-soak-wait serve-latency"
 FAILED=()
 PENDING=0
 
@@ -270,6 +274,19 @@ bench48() {  # NAME ARMS CTX [more bench flags]
     python3 -m ftchat.cli bench --synthetic flash-next --layers 48 --dense nvfp4 --json \
     --arms "$arms" --context "$ctx" --steps "${STEPS:-16}" --rounds "${ROUNDS:-3}" "$@" \
     && summarize bench "$O/$name.json" 48
+}
+
+offload_demo() {  # the demo model's cells: its routers, then its recorded trace
+  local src tag
+  local list=${DEMO_ROUTING:-model,trace:docs/results/routing_trace_demo.jsonl}
+  for src in ${list//,/ }; do
+    tag=${src%%:*}
+    run_step "offload_demo_$tag" "${DECODE_S:-300}" "$O/offload_demo_$tag.json" \
+      "$O/offload_demo_$tag.log" python3 -m ftchat.cli bench --json --slots "${SLOTS:-96}" \
+      --arms "${ARMS:-resident;off;on:budget=1;on:budget=auto}" --context "${CTX:-3k}" \
+      --steps "${STEPS:-32}" --rounds "${ROUNDS:-3}" --routing "$src" \
+      && summarize bench "$O/offload_demo_$tag.json" 8
+  done
 }
 
 prefill48() {
@@ -523,6 +540,7 @@ for m in $mode_list; do
     decode48) bench48 decode48_resident "${ARMS:-resident;resident:fused=0}" "${CTX:-4k,32k}" ;;
     offload48) bench48 decode48_offload "${ARMS:-resident;off;on;on:budget=4}" "${CTX:-32k,255k}" \
                  --slots "${SLOTS:-1650}" --routing "${ROUTING:-model}" ;;
+    offload-demo) offload_demo ;;
     prefill48) prefill48 ;;
     families) families ;;
     e2e48) e2e48 ;;
