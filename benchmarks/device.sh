@@ -56,6 +56,9 @@
 #   soak       scripts/soak.py on the demo model, prefetch on, budget 4, 96 slots [MINUTES=15];
 #              one that cannot finish within the call starts detached, and `soak-wait`
 #              [WAIT_S=540] collects it in a later call -> soak_demo.jsonl
+# BASE=DIR (decode48, offload48, offload-demo): each bench again from the tree in DIR, in its own
+#              process right after: `bash benchmarks/export_base.sh REV DIR` writes it, run's
+#              carry takes it along -> NAME_base.json beside NAME.json
 # NAME renames the output of a one-output mode (e.g. NAME=decode48_skip ARMS=... decode48).
 # Every step runs under a timeout; a failed step is named and the next one runs.
 # Exit status: 0 all passed, 1 a step failed, 2 usage, 3 a detached soak is still running.
@@ -267,25 +270,34 @@ gpu_tests() {  # FILES...
   summarize gpu-tests "$O/gpu_tests.json" "${args[@]}"
 }
 
+bench_run() {  # NAME LAYERS BENCH-ARGS...: `ftchat bench` -> $O/NAME.json; with BASE=DIR (a
+  # tree written by benchmarks/export_base.sh and carried) the same bench again from DIR's code,
+  # right after in its own process -> $O/NAME_base.json: the before and after of a code change
+  local name=$1 layers=$2
+  shift 2
+  run_step "$name" "${DECODE_S:-540}" "$O/$name.json" "$O/$name.log" \
+    python3 -m ftchat.cli bench "$@" && summarize bench "$O/$name.json" "$layers"
+  [ -n "${BASE:-}" ] || return 0
+  run_step "${name}_base" "${DECODE_S:-540}" "$O/${name}_base.json" "$O/${name}_base.log" \
+    env -C "$BASE" python3 -m ftchat.cli bench "$@" \
+    && summarize bench "$O/${name}_base.json" "$layers"
+}
+
 bench48() {  # NAME ARMS CTX [more bench flags]
   local name=${NAME:-$1} arms=$2 ctx=$3
   shift 3
-  run_step "$name" "${DECODE_S:-540}" "$O/$name.json" "$O/$name.log" \
-    python3 -m ftchat.cli bench --synthetic flash-next --layers 48 --dense nvfp4 --json \
-    --arms "$arms" --context "$ctx" --steps "${STEPS:-16}" --rounds "${ROUNDS:-3}" "$@" \
-    && summarize bench "$O/$name.json" 48
+  bench_run "$name" 48 --synthetic flash-next --layers 48 --dense nvfp4 --json \
+    --arms "$arms" --context "$ctx" --steps "${STEPS:-16}" --rounds "${ROUNDS:-3}" "$@"
 }
 
 offload_demo() {  # the demo model's cells: its routers, then its recorded trace
   local src tag
-  local list=${DEMO_ROUTING:-model,trace:docs/results/routing_trace_demo.jsonl}
+  local list=${DEMO_ROUTING:-model,trace:$PWD/docs/results/routing_trace_demo.jsonl}
   for src in ${list//,/ }; do
     tag=${src%%:*}
-    run_step "offload_demo_$tag" "${DECODE_S:-300}" "$O/offload_demo_$tag.json" \
-      "$O/offload_demo_$tag.log" python3 -m ftchat.cli bench --json --slots "${SLOTS:-96}" \
+    bench_run "offload_demo_$tag" 8 --json --slots "${SLOTS:-96}" \
       --arms "${ARMS:-resident;off;on:budget=1;on:budget=auto}" --context "${CTX:-3k}" \
-      --steps "${STEPS:-32}" --rounds "${ROUNDS:-3}" --routing "$src" \
-      && summarize bench "$O/offload_demo_$tag.json" 8
+      --steps "${STEPS:-32}" --rounds "${ROUNDS:-3}" --routing "$src"
   done
 }
 
