@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The code of an earlier commit, for device.sh's BASE=DIR (a code change's before and after in
-# one device call): ftchat (the demo model's weights included: ~42 MB of run's 64 MiB carry),
+# one device call): ftchat (the demo model's weights included: ~40 MB of run's 64 MiB carry),
 # benchmarks and pyproject.toml of REV, written to DIR (default .ab-base, which git ignores).
 # From the repository root:
 #
