@@ -134,3 +134,37 @@ def test_single_writer_negative_control_install_from_the_predictor_stream(tiny_b
     ex._install_prefetch = install_on_predictor
     list(generate(m, PROMPTS[2], 10, ex))
     assert "predictor" in {s for _, s in rec.seen}
+
+
+
+class IssueOrder(InvariantChecker):
+    """before_copy: the order copies are issued in, beside the prefetch installs (logged by
+    wrapping the backend's `_install_prefetch`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.order: list[tuple[str, int]] = []
+
+    def before_copy(self, view, plan, layer, kind):
+        self.order.append((kind, layer))
+
+
+def test_the_demand_copy_is_issued_before_the_next_layers_prefetch_install(tiny_bf16):
+    """Layer L's demand copy is issued as soon as ensure(L) made its plan: the lookahead's wait
+    and prefetch_ensure(L+1) run on the compute stream while it copies (design.md 3.4)."""
+    m = model(tiny_bf16)
+    rec = IssueOrder()
+    ex = build_experts(m, Settings(slots=20, prefetch="on", budget_gdn=2, budget_attn=2),
+                       hooks=rec)
+    install = ex._install_prefetch
+
+    def logged(nxt, protect):
+        rec.order.append(("install", nxt))
+        return install(nxt, protect)
+
+    ex._install_prefetch = logged
+    list(generate(m, PROMPTS[1], 6, ex))
+    installs = [i for i, (kind, _) in enumerate(rec.order) if kind == "install"]
+    assert len(installs) >= 6
+    for i in installs:
+        assert rec.order[i - 1] == ("demand", rec.order[i][1] - 1), rec.order[i - 3:i + 1]

@@ -239,23 +239,26 @@ class OffloadExperts:
         if cfg.prefetch == "measure" and layer > 0:
             self._measure(layer, ids)  # the maps are as they were when the candidates were made
         self._join(layer)
-        if self.scores is not None:
-            self._score(layer, x)
+        if self.scores is not None and layer == 0:
+            self._run_compute(lambda: self.scores.observe(self.maps))  # rekey before evicting
         plan = self._run_compute(lambda: ensure_any(self.maps, layer, ids, self.policy))
-        pplan = None
-        if cfg.prefetch == "on" and nxt is not None:
-            s.wait("compute", self.pred_done[nxt])
-            pplan = self._install_prefetch(nxt, plan.slots)
+        # the demand copy starts as soon as its plan exists: the lookahead and prefetch_ensure
+        # below run on the compute stream while it copies
         s.hand_off("copy", plan.src, plan.dst, plan.count)
         self.hooks.before_copy(self.view, plan, layer, "demand")
         s.run("copy", lambda: self._copy(plan, layer, "demand"))
         demand_done = s.record("copy")
-        if pplan is not None:
-            s.wait("prefetch", demand_done)
+        pplan = None
+        if cfg.prefetch == "on" and nxt is not None:
+            s.wait("compute", self.pred_done[nxt])
+            pplan = self._install_prefetch(nxt, plan.slots)  # protects the demand copy's slots
+            s.wait("prefetch", demand_done)  # demand first: one link
+            s.hand_off("prefetch", pplan.src, pplan.dst, pplan.count)
             self.hooks.before_copy(self.view, pplan, nxt, "prefetch")
-            s.hold("prefetch", pplan.src, pplan.dst, pplan.count)
             s.run("prefetch", lambda: self._copy(pplan, nxt, "prefetch"))
             self.prefetch_done[nxt] = s.record("prefetch")
+        if self.scores is not None:  # read at the next step only: it runs under the copy
+            self._run_compute(lambda: self.scores.record(layer, self.scorer(layer, x)))
         if not cfg.overlap:
             s.wait("compute", demand_done)
         # NOTE: the side streams read these after Python is done with them; holding them until
@@ -356,16 +359,6 @@ class OffloadExperts:
         """The default scorer: layer's router on its input x [T, D] -> [T, E] fp32 (the GEMV in
         the model dtype: no fp32 copy of the router in the decode step)."""
         return (x @ self.routers[layer].T).float()
-
-    def _score(self, layer: int, x: Tensor) -> None:
-        """Eviction `score`, on the compute stream (the maps' one writer): at a step's first
-        layer, fold the last step's router logits in and rekey the slots; record this
-        layer's logits (its router on its input x [T, D])."""
-        def run():
-            if layer == 0:
-                self.scores.observe(self.maps)
-            self.scores.record(layer, self.scorer(layer, x))
-        self.streams.run("compute", run)
 
     def _measure(self, layer: int, ids: Tensor) -> None:
         """Count what prefetch would have done for `layer` (read-only)."""

@@ -14,6 +14,7 @@ Legend: D averages, L layers, E experts, B rows.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ftchat.offload import cache as sc
@@ -44,9 +45,13 @@ class RouterScores:
             t.zero_()
 
     def record(self, layer: int, logits: Tensor) -> None:
-        """logits [B, E] of `layer` at this step."""
-        self.logits[layer] = standardise(logits.float()).amax(0)
-        self.fresh.fill_(True)
+        """logits [B, E] of `layer` at this step (a step records from layer 0 on). Three kernels
+        a layer: layer_norm standardises (its biased deviation differs from standardise's by one
+        factor for every layer and expert, which the ranking does not see)."""
+        z = F.layer_norm(logits.float(), logits.shape[-1:], eps=1e-12)  # [B, E]
+        torch.amax(z, 0, out=self.logits[layer])
+        if layer == 0:
+            self.fresh.fill_(True)
 
     def observe(self, maps: sc.SlotMaps) -> None:
         """Fold the last step's logits in (if any were recorded) and rekey the resident slots."""
