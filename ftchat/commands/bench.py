@@ -212,8 +212,10 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
             # round after its install, so a window's ratio could pass 1
             "precision": (total["prefetch_useful"] / total["prefetch_installs"]
                           if total.get("prefetch_installs") else None),
-            # --budget auto: the budget it chose and the link's measured time a row
+            # --budget auto: the budget it chose, the link's measured time a row and the
+            # compute a layer it measured (their ratio sets the budget)
             "budget_auto": total.get("budget_auto"), "link_row_us": total.get("link_row_us"),
+            "auto_compute_us": total.get("auto_compute_us"),
             "extra_vram_mib": a.extra_vram / 2**20, "setup_s": a.setup_s,
             "routing": str(routing), "rows_per_token":
                 (c["misses"] + c["prefetch_installs"]) / a.tokens,
