@@ -138,7 +138,10 @@ def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
     assert tokens == ref_tokens and torch.equal(logits, ref_logits)
     assert checker.problems == []
     assert ex.auto is not None and ex.auto.chosen is not None
-    assert ex.auto.row_s > 0 and ex.stats()["budget_auto"] == ex.auto.chosen
+    stats = ex.stats()
+    assert ex.auto.row_s > 0 and stats["budget_auto"] == ex.auto.chosen
+    # the compute a layer it measured, in microseconds: the ratio to the row time set the budget
+    assert stats["auto_compute_us"] == pytest.approx(ex.auto.compute_s / len(ex.budgets) * 1e6)
 
 
 def test_installs_stop_at_the_chosen_budget(tiny_nvfp4, monkeypatch):

@@ -136,7 +136,6 @@ def test_single_writer_negative_control_install_from_the_predictor_stream(tiny_b
     assert "predictor" in {s for _, s in rec.seen}
 
 
-
 class IssueOrder(InvariantChecker):
     """before_copy: the order copies are issued in, beside the prefetch installs (logged by
     wrapping the backend's `_install_prefetch`)."""
