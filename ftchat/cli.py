@@ -32,7 +32,8 @@ from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.cli_options import ServePanel, ServeQuiet
 from ftchat.commands.user_files import new_folder_parents, read_prompt_file, remove_empty
-from ftchat.errors import FtchatError, StdoutError, Terminated, UsageError
+from ftchat.errors import (FtchatError, StdoutError, Terminated, UsageError,
+                           out_of_memory_message)
 from ftchat.process_io import signal_name, standard_streams, stop_signals
 from ftchat.settings import resolve_one, resolve_settings
 
@@ -466,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a bug or a device error: one line, the traceback on request
         if os.environ.get("FTCHAT_DEBUG"):
             raise
+        oom = out_of_memory_message(e)
+        if oom is not None:
+            return _fail(oom, 1)
         first = (str(e).strip().splitlines() or [""])[0]
         return _fail(f"internal error: {type(e).__name__}: {first} (FTCHAT_DEBUG=1 shows the "
                      "traceback)", 1)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import sys
+
 
 class FtchatError(Exception):
     """Base of every error ftchat reports to the user without a traceback."""
@@ -36,3 +39,23 @@ class Terminated(BaseException):
     def __init__(self, signum: int):
         super().__init__(signum)
         self.signum = signum
+
+
+def out_of_memory_message(e: BaseException) -> str | None:
+    """One line for a device allocation that failed (torch.OutOfMemoryError), else None. torch
+    is looked up, not imported: an error torch raised means torch is loaded."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(e, torch.OutOfMemoryError):
+        return None
+    text = str(e)
+    need = re.search(r"Tried to allocate ([\d.]+ [KMGT]?i?B)", text)
+    free = re.search(r"total capacity of ([\d.]+ [KMGT]?i?B) of which ([\d.]+ [KMGT]?i?B) is "
+                     r"free", text)
+    facts = []
+    if need:
+        facts.append(f"{need[1]} more was needed")
+    if free:
+        facts.append(f"{free[2]} of {free[1]} was free")
+    detail = f" ({', '.join(facts)})" if facts else ""
+    return (f"out of GPU memory{detail}: try a shorter --context, fewer --slots or a lower "
+            f"--vram-budget (bench: fewer arms)")

@@ -17,7 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from ftchat import engine
 from ftchat.errors import ModelError
 from ftchat.ui.info import header_bytes
 from tests.cli_harness import run_main as _main
@@ -321,3 +323,33 @@ def test_batch_summary_of_one_reply(tiny_bf16, capsys, monkeypatch):
                            "hello\n")
     assert code == 0, err
     assert "1 reply | prompt eval" in err and "1 replies" not in err
+
+
+OOM_TEXT = ("CUDA out of memory. Tried to allocate 130.00 MiB. GPU 0 has a total capacity of "
+            "79.18 GiB of which 40.19 MiB is free. Including non-PyTorch memory, this process "
+            "has 79.00 GiB memory in use.")
+
+
+@pytest.mark.parametrize("error,expected", [
+    (torch.OutOfMemoryError(OOM_TEXT),
+     "out of GPU memory (130.00 MiB more was needed, 40.19 MiB of 79.18 GiB was free): try a "
+     "shorter --context"),
+    (torch.OutOfMemoryError("out of memory"), "out of GPU memory: try a shorter --context"),
+])
+def test_a_device_out_of_memory_is_one_plain_line(tiny_bf16, capsys, monkeypatch, error,
+                                                  expected):
+    # Before: "internal error: OutOfMemoryError: CUDA out of memory. Tried to allocate ..."
+    def no_memory(*args, **kwargs):
+        raise error
+    monkeypatch.setattr(engine, "build_experts", no_memory)
+    one_error(*_main(["run", tiny_bf16, "--prompt", "hi", "-n", "2"], capsys, monkeypatch),
+              expected, status=1)
+
+
+def test_another_device_error_is_still_an_internal_error(tiny_bf16, capsys, monkeypatch):
+    # control for the test above: only an allocation failure is named as one
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+    monkeypatch.setattr(engine, "build_experts", broken)
+    code, out, err = _main(["run", tiny_bf16, "--prompt", "hi", "-n", "2"], capsys, monkeypatch)
+    assert code == 1 and err.startswith("error: internal error: RuntimeError: CUDA error"), err
