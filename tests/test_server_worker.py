@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from ftchat import engine
 from ftchat.model.tokenizer import Tokenizer
@@ -96,7 +97,8 @@ def test_a_nan_row_fails_alone(monkeypatch, clean):
     assert any("bad: failed: the model's output holds NaN or Inf" in ln for ln in lines)
 
 
-@pytest.mark.parametrize("fault", [True, False], ids=["admission-fails", "control"])
+@pytest.mark.parametrize("fault", ["bug", "oom", None],
+                         ids=["admission-fails", "out-of-memory", "control"])
 def test_a_failed_admission_ends_that_job_and_the_worker_goes_on(monkeypatch, fault):
     # a bug while a job is given a row (here: choosing the row) must end that job with an
     # error event, not the engine thread (which would leave every later request waiting)
@@ -108,6 +110,8 @@ def test_a_failed_admission_ends_that_job_and_the_worker_goes_on(monkeypatch, fa
     def pick_row(self, ids):
         calls.append(ids)
         if fault and len(calls) == 1:
+            if fault == "oom":  # a device allocation: named as one, not an internal error
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
             raise RuntimeError("no row for you")
         return real(self, ids)
 
@@ -128,8 +132,12 @@ def test_a_failed_admission_ends_that_job_and_the_worker_goes_on(monkeypatch, fa
             assert done.wait(120), (name, ends)
     finally:
         worker.stop()
-    if fault:
-        assert isinstance(ends[0], Failed) and "no row for you" in ends[0].message, ends[0]
+    if fault == "bug":
+        assert isinstance(ends[0], Failed) and ends[0].message == \
+            "internal error: RuntimeError: no row for you", ends[0]
+    elif fault == "oom":
+        assert isinstance(ends[0], Failed) and ends[0].message.startswith(
+            "out of GPU memory (2.00 GiB more was needed): try"), ends[0]
     else:
         assert isinstance(ends[0], Finished), ends[0]
     assert isinstance(ends[1], Finished) and ends[1].completion_tokens == 2, ends[1]

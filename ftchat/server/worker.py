@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ftchat import engine
+from ftchat.errors import out_of_memory_message
 from ftchat.model.config import check_context
 from ftchat.model.registry import load_args
 from ftchat.model.tokenizer import StreamDecoder
@@ -187,7 +188,7 @@ class EngineWorker:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001
-            message = f"internal error: {type(e).__name__}: {e}"
+            message = out_of_memory_message(e) or f"internal error: {type(e).__name__}: {e}"
             hit = [(b, r.job) for b, r in enumerate(self.rows)
                    if r is not None and (job is None or r.job is job)]
             for b, j in hit:
