@@ -108,6 +108,7 @@ def test_the_window_times_budget_zero_steps_then_sets_the_limit():
             assert auto.chosen is None and auto.limit.tolist() == [0] * layers
     # 10 ms - 4 x 0.5 ms = 8 ms compute, 2 ms a layer = 4 rows
     assert auto.chosen == 4 and auto.compute_s == pytest.approx(8e-3)
+    assert auto.layer_compute_us == pytest.approx(2000.0)
     assert auto.limit.tolist() == [4] * layers
 
 
@@ -140,8 +141,7 @@ def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
     assert ex.auto is not None and ex.auto.chosen is not None
     stats = ex.stats()
     assert ex.auto.row_s > 0 and stats["budget_auto"] == ex.auto.chosen
-    # the compute a layer it measured, in microseconds: the ratio to the row time set the budget
-    assert stats["auto_compute_us"] == pytest.approx(ex.auto.compute_s / len(ex.budgets) * 1e6)
+    assert stats["auto_compute_us"] == ex.auto.layer_compute_us > 0
 
 
 def test_installs_stop_at_the_chosen_budget(tiny_nvfp4, monkeypatch):

@@ -309,8 +309,7 @@ class OffloadExperts:
                        precision=useful / installs if installs else None)
             if self.auto is not None:  # None while the window is still measuring
                 out.update(budget_auto=self.auto.chosen, link_row_us=self.auto.row_s * 1e6,
-                           auto_compute_us=self.auto.compute_s / self.auto.num_layers * 1e6
-                           if self.auto.compute_s is not None else None)
+                           auto_compute_us=self.auto.layer_compute_us)
         elif self.cfg.prefetch == "measure":
             selected, useful, missed = self.measured.sum(0).tolist()
             out.update(useful_prefetches=useful, precision=useful / selected if selected else None,

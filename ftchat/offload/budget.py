@@ -102,6 +102,11 @@ class AutoBudget:
         self.steps = 0
         self.start: tuple[object, Tensor] | None = None  # (time stamp, misses so far)
 
+    @property
+    def layer_compute_us(self) -> float | None:
+        """The measured compute of one layer in microseconds (None until the window ended)."""
+        return None if self.compute_s is None else self.compute_s / self.num_layers * 1e6
+
     @classmethod
     def measured(cls, fixed: list[int | None], cap: int, host: Tensor, bank: Tensor, streams,
                  misses: Tensor, programs: int) -> AutoBudget:
