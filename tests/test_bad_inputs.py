@@ -298,10 +298,11 @@ def test_a_huge_prompt_is_refused_by_its_bytes_before_tokenizing(tiny_bf16, caps
 
 
 def test_bench_defaults_fit_the_models_positions():
-    assert bench_contexts(None, 4096, 32, 3) == [4096 - 4 * 32 - 2]  # the demo: 4,096
-    assert bench_contexts(None, 262144, 32, 3) == [4096]
+    assert bench_contexts(None, 4096, 4 * 32) == [4096 - 4 * 32 - 2]  # the demo: 4,096
+    assert bench_contexts(None, 262144, 4 * 32) == [4096]
     with pytest.raises(Exception, match="--context 4096: .* exceeds the model's 4096"):
-        bench_contexts([4096], 4096, 32, 3)
+        bench_contexts([4096], 4096, 4 * 32)
+    assert bench_contexts([4096 - 4 * 32 - 2], 4096, 4 * 32)  # control: the largest that fits
 
 
 def test_bench_without_a_context_runs_on_the_demo_model(capsys, monkeypatch):

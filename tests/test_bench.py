@@ -138,7 +138,8 @@ def test_bench_context_refuses_bad_steps_and_contexts_as_usage_errors(tiny_bf16)
     arms = parse_arms("off", base)
     with pytest.raises(UsageError, match="--steps and --rounds must be >= 1"):
         bench_context(m, arms, 16, base, steps=0, rounds=1)
-    with pytest.raises(UsageError, match=r"--context 4096 \+ 4 bench tokens exceeds the model's "
+    with pytest.raises(UsageError, match=r"--context 4096 \+ 4 bench tokens \(warm-up and rounds\) "
+                                         "exceeds the model's "
                                          "4096 positions"):
         bench_context(m, arms, 4096, base, steps=2, rounds=1)
     assert bench_context(m, arms, 16, base, steps=1, rounds=1)  # control: these run

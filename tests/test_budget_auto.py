@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from ftchat.errors import SettingsError
-from ftchat.offload import cache
-from ftchat.offload.budget import SKIP_STEPS, WINDOW_STEPS, AutoBudget, StepClock
+from ftchat.offload import budget, cache
+from ftchat.offload.budget import (SETTLE_STEPS, SKIP_STEPS, TRIAL_STEPS, WINDOW_STEPS,
+                                   AutoBudget, StepClock, bracket)
 from ftchat.offload.cache import SlotMaps, check_invariants
 from ftchat.offload.policy import RULE
 from ftchat.settings import Settings, override, resolve_settings
@@ -71,17 +72,16 @@ def _auto(row_s, layers=48, cap=4):
 @pytest.mark.parametrize("row_s,step_s,misses,expected", [
     # H100-like link (0.1 ms a row), 27 ms steps with 207 misses: 6.3 ms compute,
     # 0.131 ms a layer -> 1.31 rows
-    (0.1e-3, 27e-3, 207, 1),
+    (0.1e-3, 27e-3, 207, (1, 2)),
     # a link twice as fast, 16 ms steps: 16 - 10.35 = 5.65 ms, 0.118 ms a layer -> 2.35 rows
-    (0.05e-3, 16e-3, 207, 2),
-    (0.01e-3, 100e-3, 0, 4),  # 208 rows fit: capped at 4
-    (1e-3, 20e-3, 19, 0),  # 1 ms compute: 0.02 rows a layer
-    (1e-3, 10e-3, 50, 0),  # the copies take longer than the step: no compute left, budget 0
+    (0.05e-3, 16e-3, 207, (2, 3)),
+    (0.01e-3, 100e-3, 0, (4, 4)),  # 208 rows fit: capped at 4
+    (1e-3, 20e-3, 19, (0, 1)),  # 1 ms compute: 0.02 rows a layer
+    (1e-3, 10e-3, 50, (0, 1)),  # the copies take longer than the step: no compute left
 ])
-def test_budget_from_measured_times(row_s, step_s, misses, expected):
-    auto = _auto(row_s)
-    assert auto.choose(step_s, misses) == expected
-    assert auto.limit.tolist() == [expected] * 48
+def test_the_bracket_from_measured_times(row_s, step_s, misses, expected):
+    compute_s = max(step_s - misses * row_s, 0.0)
+    assert bracket(compute_s, 48, row_s, 4) == expected
 
 
 class ScriptedClock(StepClock):
@@ -95,24 +95,70 @@ class ScriptedClock(StepClock):
         return next(self.times)
 
 
-def test_the_window_times_budget_zero_steps_then_sets_the_limit():
+def _spans(step_ms):
+    """Marks for spans of the given step times (ms), back to back: a start and an end each."""
+    marks, t = [], 0.0
+    for ms, n in step_ms:
+        marks += [t, t + n * ms * 1e-3]
+        t += n * ms * 1e-3 + 1.0
+    return marks
+
+
+def _drive(auto, misses, per_step, limits):
+    """Steps until the budget is chosen (or SETTLE_STEPS + 5): the limit seen by each step."""
+    for _ in range(SETTLE_STEPS + 5):
+        limits.append(auto.limit.tolist()[0])
+        misses += per_step
+        auto.end_step()
+        if auto.chosen is not None:
+            return
+
+
+@pytest.mark.parametrize("hi_ms,expected", [(9.0, 2), (9.95, 1), (10.5, 1)])
+def test_the_window_then_both_trials_then_the_faster_budget(hi_ms, expected):
     layers = 4
     misses = torch.zeros(layers, dtype=torch.int64)
-    # marks: window start at 1.0 s, end 8 steps later at 1.0 + 8 x 10 ms
-    clock = ScriptedClock([1.0, 1.0 + WINDOW_STEPS * 10e-3])
-    auto = AutoBudget([None] * layers, 4, 0.5e-3, torch.device("cpu"), misses, clock)
-    for step in range(1, SKIP_STEPS + WINDOW_STEPS + 5):
-        misses += 1  # 4 misses a step
-        auto.end_step()
-        if step < SKIP_STEPS + WINDOW_STEPS:
-            assert auto.chosen is None and auto.limit.tolist() == [0] * layers
-    # 10 ms - 4 x 0.5 ms = 8 ms compute, 2 ms a layer = 4 rows
-    assert auto.chosen == 4 and auto.compute_s == pytest.approx(8e-3)
-    assert auto.layer_compute_us == pytest.approx(2000.0)
-    assert auto.limit.tolist() == [4] * layers
+    # the window at 10 ms a step with 4 misses a step at 1 ms a row: 6 ms compute, 1.5 ms a
+    # layer, r = 1.5 -> the bracket (1, 2); then budget 1 at 10 ms a step, budget 2 at hi_ms
+    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS), (10.0, TRIAL_STEPS),
+                                  (hi_ms, TRIAL_STEPS)]))
+    auto = AutoBudget([None] * layers, 4, 1e-3, torch.device("cpu"), misses, clock)
+    limits = []
+    _drive(auto, misses, 1, limits)  # one miss a layer a step
+    assert auto.compute_s == pytest.approx(6e-3) and auto.pair == (1, 2)
+    assert auto.layer_compute_us == pytest.approx(1500.0)
+    w, t = SKIP_STEPS + WINDOW_STEPS, SKIP_STEPS + TRIAL_STEPS
+    assert limits == [0] * w + [1] * t + [2] * t  # each span ran at its budget
+    assert len(limits) == SETTLE_STEPS
+    # kept only if at least TRIAL_MARGIN faster: 9.95 ms is 0.5 % faster, not enough
+    assert auto.chosen == expected and auto.limit.tolist() == [expected] * layers
+    assert auto.trial_ms == {0: 10.0, 1: 10.0, 2: hi_ms}
 
 
-def test_a_reset_in_the_window_starts_it_again():
+def test_budget_zero_reuses_the_window():
+    layers = 4
+    misses = torch.zeros(layers, dtype=torch.int64)
+    # 10 ms steps, 4 misses at 2 ms a row: 2 ms compute, 0.5 ms a layer: r = 0.25 -> (0, 1);
+    # only budget 1 is timed, and it is slower than the window
+    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS), (11.0, TRIAL_STEPS)]))
+    auto = AutoBudget([None] * layers, 4, 2e-3, torch.device("cpu"), misses, clock)
+    limits = []
+    _drive(auto, misses, 1, limits)
+    assert auto.pair == (0, 1) and auto.chosen == 0
+    assert limits == [0] * (SKIP_STEPS + WINDOW_STEPS) + [1] * (SKIP_STEPS + TRIAL_STEPS)
+
+
+def test_at_the_cap_no_trial_runs():
+    misses = torch.zeros(2, dtype=torch.int64)
+    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS)]))  # a trial would need more marks
+    auto = AutoBudget([None] * 2, 4, 1e-3, torch.device("cpu"), misses, clock)
+    limits = []
+    _drive(auto, misses, 0, limits)
+    # 10 ms over 2 layers at 1 ms a row: 5 rows, capped at 4
+    assert auto.chosen == 4 and auto.pair == (4, 4) and len(limits) == SKIP_STEPS + WINDOW_STEPS
+
+
+def test_a_reset_in_a_span_starts_that_span_again():
     clock = ScriptedClock([0.0, 5.0, 5.0 + WINDOW_STEPS * 10e-3])
     auto = AutoBudget([None] * 2, 4, 1e-3, torch.device("cpu"), torch.zeros(2, dtype=torch.int64),
                       clock)
@@ -133,8 +179,8 @@ def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
     folder = request.getfixturevalue(fmt)
     checker = InvariantChecker()
     slots = 2 * bs * model(folder).args.num_experts_per_tok + 8
-    tokens, logits, ex = run(folder, bs, slots=slots, prefetch="on", budget_gdn=None, budget_attn=None,
-                             hooks=checker)
+    tokens, logits, ex = run(folder, bs, slots=slots, prefetch="on", budget_gdn=None,
+                             budget_attn=None, hooks=checker)
     ref_tokens, ref_logits = reference(folder, bs)  # the all-resident backend
     assert tokens == ref_tokens and torch.equal(logits, ref_logits)
     assert checker.problems == []
@@ -142,16 +188,14 @@ def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
     stats = ex.stats()
     assert ex.auto.row_s > 0 and stats["budget_auto"] == ex.auto.chosen
     assert stats["auto_compute_us"] == ex.auto.layer_compute_us > 0
+    assert stats["auto_trial_ms"] == ex.auto.trial_ms and 0 in stats["auto_trial_ms"]
 
 
 def test_installs_stop_at_the_chosen_budget(tiny_nvfp4, monkeypatch):
-    # the window's measurement replaced by one that gives budget 1: installs per layer then
-    # never exceed one a step (plans are sized 4), and no install happens inside the window
-    real_choose = AutoBudget.choose
-
-    def one_row_a_layer(self, step_s, misses):
-        return real_choose(self, self.num_layers * self.row_s + misses * self.row_s, misses)
-    monkeypatch.setattr(AutoBudget, "choose", one_row_a_layer)
+    # the bracket replaced by (1, 1), so no trial runs and the window's end sets budget 1:
+    # installs per layer then never exceed one a step (plans are sized 4), and no install
+    # happens inside the window
+    monkeypatch.setattr(budget, "bracket", lambda *a: (1, 1))
     slots = 2 * model(tiny_nvfp4).args.num_experts_per_tok + 8
     tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on")  # the default: auto
     assert ex.auto.chosen == 1 and ex.budgets == [4] * len(ex.budgets)  # the plans' size

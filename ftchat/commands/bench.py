@@ -34,6 +34,7 @@ from ftchat.kernels.config import KernelConfig
 from ftchat.kernels.skip import Skip, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
 from ftchat.offload.backend import ResidentExperts, StagedExperts
+from ftchat.offload.budget import SETTLE_STEPS
 from ftchat.profile import profile_call
 from ftchat.routing.calibrated import Geometry
 from ftchat.routing.forced import ForcedRouting, RoutingSource
@@ -172,6 +173,23 @@ def run_round(arm: Arm, steps: int) -> None:
     arm.tokens += steps
 
 
+def uses_auto_budget(spec: ArmSpec) -> bool:
+    s = spec.settings
+    return s is not None and s.prefetch == "on" and None in (s.budget_gdn, s.budget_attn)
+
+
+def warm_up_steps(arms: dict[str, ArmSpec], steps: int) -> int:
+    """The warm-up round's steps: `steps`, or, where an arm uses --budget auto, enough for its
+    window and trials, so that the timed rounds run the budget it chose."""
+    return max(steps, SETTLE_STEPS) if any(map(uses_auto_budget, arms.values())) else steps
+
+
+def bench_tokens(arms: dict[str, ArmSpec], steps: int, rounds: int) -> int:
+    """Tokens each arm decodes past the context in its warm-up and rounds (the KV cache holds
+    two more: the start token and the profiled step)."""
+    return warm_up_steps(arms, steps) + rounds * steps
+
+
 def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Settings,
                   steps: int, rounds: int,
                   progress: Callable[[int, int], None] | None = None,
@@ -180,15 +198,17 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
     `progress(done, total)` after each round (the warm-up round included)."""
     if steps < 1 or rounds < 1:
         raise UsageError("--steps and --rounds must be >= 1")
-    max_len = ctx + (rounds + 1) * steps + 2
+    warm = warm_up_steps(arms, steps)
+    tokens = bench_tokens(arms, steps, rounds)
+    max_len = ctx + tokens + 2
     if max_len > m.args.max_position_embeddings:
-        raise UsageError(f"--context {ctx} + {(rounds + 1) * steps} bench tokens exceeds the "
-                         f"model's {m.args.max_position_embeddings} positions")
+        raise UsageError(f"--context {ctx} + {tokens} bench tokens (warm-up and rounds) exceeds "
+                         f"the model's {m.args.max_position_embeddings} positions")
     resident = resident_backend(m) if any(a.settings is None for a in arms.values()) else None
     built = [make_arm(m, name, spec, base, ctx, max_len, resident, routing)
              for name, spec in arms.items()]
-    for arm in built:  # warm-up round (fills the caches), not counted
-        run_round(arm, steps)
+    for arm in built:  # warm-up round (fills the caches, settles --budget auto), not counted
+        run_round(arm, warm)
         arm.times, arm.tokens, arm.counts = [], 0, dict.fromkeys(COUNTERS, 0)
     if progress:
         progress(1, rounds + 1)
@@ -216,6 +236,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
             # compute a layer it measured (their ratio sets the budget)
             "budget_auto": total.get("budget_auto"), "link_row_us": total.get("link_row_us"),
             "auto_compute_us": total.get("auto_compute_us"),
+            "auto_trial_ms": total.get("auto_trial_ms"),
             "extra_vram_mib": a.extra_vram / 2**20, "setup_s": a.setup_s,
             "routing": str(routing), "rows_per_token":
                 (c["misses"] + c["prefetch_installs"]) / a.tokens,

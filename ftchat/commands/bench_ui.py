@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftchat.commands.arms_help import list_items
-from ftchat.commands.bench import ArmSpec, bench_context, parse_arms
+from ftchat.commands.bench import ArmSpec, bench_context, bench_tokens, parse_arms
 from ftchat.routing.forced import RoutingSource
 from ftchat.commands.load import load_checked, pin_planned_slots, preflight
 from ftchat.engine import LoadedModel
@@ -64,8 +64,9 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
     given = None if contexts is None else context_list(contexts)
     a0 = (synthetic_inputs(synthetic.preset, synthetic.layers, synthetic.fmt)[0] if synthetic
           else load_args(resolve_model(model, env).path))
-    ctxs = bench_contexts(given, a0.max_position_embeddings, steps, rounds)
-    max_len = max(ctxs) + (rounds + 1) * steps + 2  # bench_context's KV capacity
+    tokens = bench_tokens(arm_specs, steps, rounds)
+    ctxs = bench_contexts(given, a0.max_position_embeddings, tokens)
+    max_len = max(ctxs) + tokens + 2  # bench_context's KV capacity
 
     def work(a, layout) -> Workload:
         return bench_workload(a, layout, settings, [s.settings for s in arm_specs.values()],
@@ -101,21 +102,20 @@ def context_list(contexts: str) -> list[int]:
         raise UsageError(str(e)) from None
 
 
-def bench_contexts(contexts: list[int] | None, positions: int, steps: int,
-                   rounds: int) -> list[int]:
+def bench_contexts(contexts: list[int] | None, positions: int, tokens: int) -> list[int]:
     """The --context list (context_list), each checked against the model's positions before
     loading; none given: DEFAULT_CONTEXT, or less where the model's positions leave no room
-    for the bench tokens (the demo model has 4,096)."""
-    room = positions - (rounds + 1) * steps - 2  # bench_context's KV capacity beyond ctx
+    for the `tokens` each arm decodes (bench_tokens; the demo model has 4,096 positions)."""
+    room = positions - tokens - 2  # bench_context's KV capacity beyond ctx
     if contexts is None:
         if room < 1:
-            raise UsageError(f"--steps {steps} x (--rounds {rounds} + 1) bench tokens do not fit "
-                             f"the model's {positions} positions: give fewer")
+            raise UsageError(f"{tokens} bench tokens (warm-up and rounds) do not fit the model's "
+                             f"{positions} positions: give fewer --steps or --rounds")
         return [min(DEFAULT_CONTEXT, room)]
     for ctx in contexts:
         if ctx > room:
-            raise UsageError(f"--context {ctx}: with {(rounds + 1) * steps} bench tokens it "
-                             f"exceeds the model's {positions} positions; give "
+            raise UsageError(f"--context {ctx}: with {tokens} bench tokens (warm-up and rounds) "
+                             f"it exceeds the model's {positions} positions; give "
                              f"{max(room, 1)} or less")
     return contexts
 

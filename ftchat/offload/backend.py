@@ -309,7 +309,8 @@ class OffloadExperts:
                        precision=useful / installs if installs else None)
             if self.auto is not None:  # None while the window is still measuring
                 out.update(budget_auto=self.auto.chosen, link_row_us=self.auto.row_s * 1e6,
-                           auto_compute_us=self.auto.layer_compute_us)
+                           auto_compute_us=self.auto.layer_compute_us,
+                           auto_trial_ms=self.auto.trial_ms)
         elif self.cfg.prefetch == "measure":
             selected, useful, missed = self.measured.sum(0).tolist()
             out.update(useful_prefetches=useful, precision=useful / selected if selected else None,

@@ -2,21 +2,27 @@
 
 A prefetch copy of layer l+1 rides the link while layer l computes. Installs beyond what fits
 in that time delay l+1's demand copy, which is on the critical path; installs within it cost
-only the residents they evict. So the budget is the number of rows the link carries in one
-layer's compute time (docs/routing.md 4):
+only the residents they evict. The link model (docs/routing.md 4) puts the budget at the number
+of rows the link carries in one layer's compute time,
 
-    budget = round(T_compute / L / t_row), clamped to 0..cap
+    r = T_compute / L / t_row
 
-Both times are measured in this process, on this machine:
+and the budget is floor(r) or floor(r) + 1, clamped to 0..cap: which of the two is faster
+depends on what the model leaves out (each copy's latency, the copy kernel's programs beside
+the layer's own kernels), so both are timed and the faster one is kept.
+
+Everything is measured in this process, on this machine:
   t_row      at construction: a timed copy of `LINK_PROBE_ROWS` expert rows from the host store
              into the bank's sink row (no slot is touched), best of three;
-  T_compute  over the first `WINDOW_STEPS` decode steps after `SKIP_STEPS`, the auto layers at
-             budget 0 (prefetch predicts but installs nothing there: the prefetch-off step):
-             the mean step time less the demand copies' link time (misses x t_row).
+  T_compute  over `WINDOW_STEPS` decode steps after `SKIP_STEPS`, the auto layers at budget 0
+             (prefetch predicts but installs nothing there: the prefetch-off step): the mean
+             step time less the demand copies' link time (misses x t_row);
+  the trial  `TRIAL_STEPS` steps after `SKIP_STEPS` at each budget of the bracket (budget 0
+             reuses the window's time); the larger one is kept only if its steps are at least
+             `TRIAL_MARGIN` faster. At most `SETTLE_STEPS` decode steps until the choice.
 The budget lives in a device tensor [L] int32 that the prefetch kernel reads (`limit`), so a
-captured graph picks the new value up without a recapture. The first measurement is kept for
-the process: link and compute do not change between sequences. One host sync, at the end of
-the window (the step times and the miss count).
+captured graph picks each new value up without a recapture. The choice is kept for the process:
+link and compute do not change between sequences. One host sync at the end of each timed span.
 """
 
 from __future__ import annotations
@@ -32,12 +38,23 @@ from ftchat.offload.copy import copy_rows
 LINK_PROBE_ROWS = 32  # rows in the link probe: a few MB at the real geometry
 SKIP_STEPS = 2  # decode steps before the window (the first ones after a prefill or capture)
 WINDOW_STEPS = 8  # decode steps timed at budget 0
+TRIAL_STEPS = 16  # decode steps timed at each budget of the bracket
+TRIAL_MARGIN = 0.01  # the larger budget is kept only if its steps are this much faster
 AUTO_CAP = 4  # the largest budget auto picks (and the prefetch plan's size)
+# decode steps until the budget is chosen, at most: the window, then two trials
+SETTLE_STEPS = SKIP_STEPS + WINDOW_STEPS + 2 * (SKIP_STEPS + TRIAL_STEPS)
 
 
 def shadow_budget(compute_s: float, num_layers: int, row_s: float) -> int:
     """Rows the link carries under one layer's compute: round(T_compute / L / t_row)."""
     return round(compute_s / num_layers / row_s)
+
+
+def bracket(compute_s: float, num_layers: int, row_s: float, cap: int) -> tuple[int, int]:
+    """The two budgets around the link model's rows per layer: floor(r) and floor(r) + 1,
+    clamped to 0..cap (one budget twice where r reaches the cap)."""
+    lo = min(max(int(compute_s / num_layers / row_s), 0), cap)
+    return lo, min(lo + 1, cap)
 
 
 class StepClock:
@@ -86,8 +103,9 @@ def probe_row_seconds(host: Tensor, bank: Tensor, run_copy: Callable[[Callable[[
 
 class AutoBudget:
     """The adaptive budget of one offload backend. `limit` [L] int32 is what the prefetch kernel
-    reads: a fixed layer's budget from the start, an auto layer's 0 until the window ends, then
-    the chosen budget. `end_step` runs after every decode step (on the host, outside any graph)."""
+    reads: a fixed layer's budget from the start, an auto layer's 0 during the window, then each
+    trial's budget, then the chosen one. `end_step` runs after every decode step (on the host,
+    outside any graph)."""
 
     def __init__(self, fixed: list[int | None], cap: int, row_s: float, device: torch.device,
                  misses: Tensor, clock: StepClock):
@@ -97,9 +115,13 @@ class AutoBudget:
         self.auto = torch.tensor([b is None for b in fixed], device=device)  # [L] bool
         self.limit = torch.tensor([0 if b is None else b for b in fixed], dtype=torch.int32,
                                   device=device)  # [L]
-        self.chosen: int | None = None  # the budget of the auto layers, once measured
+        self.chosen: int | None = None  # the budget of the auto layers, once settled
         self.compute_s: float | None = None  # the measured compute time of a step
-        self.steps = 0
+        self.step_s: dict[int, float] = {}  # budget -> measured step time (window and trials)
+        self.pending: list[int] = []  # budgets still to time
+        self.pair: tuple[int, int] | None = None  # the bracket (floor(r), floor(r) + 1)
+        self.trying: int | None = None  # the budget being timed; None: the window (budget 0)
+        self.steps = 0  # steps into the current span
         self.start: tuple[object, Tensor] | None = None  # (time stamp, misses so far)
 
     @property
@@ -107,11 +129,16 @@ class AutoBudget:
         """The measured compute of one layer in microseconds (None until the window ended)."""
         return None if self.compute_s is None else self.compute_s / self.num_layers * 1e6
 
+    @property
+    def trial_ms(self) -> dict[int, float]:
+        """The measured step time in ms of each budget timed (0: the window)."""
+        return {b: round(t * 1e3, 3) for b, t in sorted(self.step_s.items())}
+
     @classmethod
     def measured(cls, fixed: list[int | None], cap: int, host: Tensor, bank: Tensor, streams,
                  misses: Tensor, programs: int) -> AutoBudget:
         """Probe the link now, on the prefetch stream of `streams` (no slot touched); the
-        compute time is measured over the first decode steps."""
+        compute time and the trials are measured over the first decode steps."""
         clock = StepClock(bank.device)
 
         def on_prefetch_stream(fn):
@@ -121,27 +148,45 @@ class AutoBudget:
         return cls(fixed, cap, row_s, bank.device, misses, clock)
 
     def restart(self) -> None:
-        """The cache was emptied: a window in progress starts again (a chosen budget stays)."""
+        """The cache was emptied: a span in progress starts again (a chosen budget stays)."""
         self.steps, self.start = 0, None
 
     def end_step(self) -> None:
         if self.chosen is not None:
             return
         self.steps += 1
+        span = WINDOW_STEPS if self.trying is None else TRIAL_STEPS
         if self.steps == SKIP_STEPS:
             self.start = (self.clock.mark(), self.misses.sum())  # the sum stays on the device
-        elif self.steps == SKIP_STEPS + WINDOW_STEPS:
+        elif self.steps == SKIP_STEPS + span:
             t0, m0 = self.start
-            step_s = self.clock.seconds(t0, self.clock.mark()) / WINDOW_STEPS  # SYNC
-            misses = int(self.misses.sum() - m0) / WINDOW_STEPS  # SYNC
-            self.choose(step_s, misses)
+            step_s = self.clock.seconds(t0, self.clock.mark()) / span  # SYNC
+            self.steps, self.start = 0, None
+            if self.trying is None:
+                misses = int(self.misses.sum() - m0) / span  # SYNC
+                self.choose(step_s, misses)
+            else:
+                self.step_s[self.trying] = step_s
+                self._next_trial()
 
-    def choose(self, step_s: float, misses_per_step: float) -> int:
-        """Set the auto layers' budget from a measured step time and its demand misses (once).
-        A fixed layer's installs count as compute here: the window runs them as configured."""
+    def choose(self, step_s: float, misses_per_step: float) -> None:
+        """After the window: the compute time from its step time and demand misses, then the
+        bracket's trials. A fixed layer's installs count as compute here: the window runs them
+        as configured."""
         # the demand copies are on the critical path; what remains is compute
         self.compute_s = max(step_s - misses_per_step * self.row_s, 0.0)
-        b = shadow_budget(self.compute_s, self.num_layers, self.row_s)
-        self.chosen = min(max(b, 0), self.cap)
-        self.limit.masked_fill_(self.auto, self.chosen)  # compute stream, before the next step
-        return self.chosen
+        self.step_s[0] = step_s
+        self.pair = bracket(self.compute_s, self.num_layers, self.row_s, self.cap)
+        lo, hi = self.pair
+        self.pending = [] if lo == hi else [b for b in (lo, hi) if b not in self.step_s]
+        self._next_trial()
+
+    def _next_trial(self) -> None:
+        if self.pending:
+            self.trying = self.pending.pop(0)
+            self.limit.masked_fill_(self.auto, self.trying)  # compute stream, before the next step
+            return
+        lo, hi = self.pair
+        faster = lo == hi or self.step_s[hi] < self.step_s[lo] * (1 - TRIAL_MARGIN)
+        self.chosen, self.trying = hi if faster else lo, None
+        self.limit.masked_fill_(self.auto, self.chosen)

@@ -90,14 +90,11 @@ def test_offload_and_prefetch_are_bit_identical(folders, fmt, bs, graph, overlap
 
 @pytest.mark.parametrize("graph", [False, True])
 def test_a_replayed_graph_reads_the_budget_auto_sets(folders, graph, monkeypatch):
-    # the window's measurement replaced by one that gives budget 1 (plans are sized 4): under
-    # graph replay the kernel reads the new limit, so installs stay at one a layer a step
-    from ftchat.offload.budget import SKIP_STEPS, WINDOW_STEPS, AutoBudget
-    real_choose = AutoBudget.choose
-
-    def one_row_a_layer(self, step_s, misses):
-        return real_choose(self, self.num_layers * self.row_s + misses * self.row_s, misses)
-    monkeypatch.setattr(AutoBudget, "choose", one_row_a_layer)
+    # the bracket replaced by (1, 1), so the window's end sets budget 1 (plans are sized 4):
+    # under graph replay the kernel reads the new limit, so installs stay at one a layer a step
+    from ftchat.offload import budget
+    from ftchat.offload.budget import SKIP_STEPS, WINDOW_STEPS
+    monkeypatch.setattr(budget, "bracket", lambda *a: (1, 1))
     f = folders["nvfp4-modelopt"]
     steps = STEPS if graph else EAGER_STEPS
     (tokens, logits), ex = offloaded(f, 1, graph, steps, slots=14, prefetch="on")
