@@ -74,7 +74,8 @@ def test_precision_is_at_most_one_when_every_expert_fits(tiny_bf16):
     m = load_model(tiny_bf16)
     a = m.args
     base = Settings(slots=a.num_hidden_layers * a.num_experts, device="cpu")
-    out = bench_context(m, parse_arms("on;on:budget=4", base), 16, base, steps=6, rounds=3)
+    out = bench_context(m, parse_arms("on:budget=2;on:budget=4", base), 16, base, steps=6,
+                        rounds=3)
     L = a.num_hidden_layers
     # the regime of the bug: within the timed rounds, prefetches installed in the warm-up are
     # credited as useful, so the window holds more useful prefetches than installs ...

@@ -263,7 +263,8 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
     (["bench", "MODEL", "--routing", "nowhere"], "--routing 'nowhere': expected model", 2),
     (["bench", "MODEL", "--routing", "calibrated:nope"], "--routing 'calibrated:nope': no fit", 2),
     (["bench", "MODEL", "--context", "5000", "--steps", "1", "--rounds", "1"],
-     "--context 5000: with 2 bench tokens (warm-up and rounds) it exceeds the model's 4096 "
+     # the default arms hold `on` (--budget auto): a warm-up of 46 steps, then 1 round of 1
+     "--context 5000: with 47 bench tokens (warm-up and rounds) it exceeds the model's 4096 "
      "positions", 2),
     (["bench", "--synthetic", "tiny", "--format", "fp3"], "--format 'fp3': expected", 2),
     # a value this model or machine cannot take: the flag must change, a usage error too
