@@ -22,6 +22,7 @@ from ftchat.model.qwen4_exp_memory import DENSE_KINDS, dense_kind
 from ftchat.model.state import DecodeState, GdnCache
 from ftchat.model.synth_memory import synthetic_model
 from ftchat.offload.backend import StagedExperts
+from ftchat.offload.budget import SETTLE_STEPS
 from ftchat.offload.streams import make_streams
 from ftchat.settings import Settings
 from ftchat.vram.items import GIB, VramPlan, Workload
@@ -305,8 +306,9 @@ def test_bench_arms_get_the_planned_slots(tiny_nvfp4, capsys, monkeypatch):
     import json
 
     a, layout = checkpoint_inputs(tiny_nvfp4)
-    # two offloaded arms, each with its own bank and decoder, one token prefilled
-    w = Workload(16 + 2 * 1 + 2, (1, 1), (None, None), 1, cuda=False, graphs=False)
+    # two offloaded arms, each with its own bank and decoder, one token prefilled; `on` runs
+    # --budget auto, so the warm-up is SETTLE_STEPS steps, then one round of one step
+    w = Workload(16 + SETTLE_STEPS + 1 + 2, (1, 1), (None, None), 1, cuda=False, graphs=False)
     code, out, err = _main(["bench", tiny_nvfp4, "--arms", "off;on", "--context", "16", "--steps",
                             "1", "--rounds", "1", "--device", "cpu", "--json", "--vram-budget",
                             repr(budget_gib(a, layout, w, 30))], capsys, monkeypatch)
