@@ -4,8 +4,9 @@ For each eviction policy and prefetch arm: demand misses, prefetch installs and 
 link per token, precision (useful / selected, measure mode's definition), useful predictions
 per predicted layer, the Belady floor, and the tok/s the link model (ftchat/routing/link.py)
 gives on a PCIe-5 and a PCIe-4 link beside its overlap bound. Arms: off, default (3 before a
-GDN layer, 4 before attention: the seed's budget), budget 1/2/4, auto (the link's shadow: rows that fit under one
-layer's compute).
+GDN layer, 4 before attention: the seed's budget), budget 1/2/4, auto (as `--budget auto`:
+of floor(r) and floor(r) + 1, r the rows the link carries under one layer's compute, the one
+the link model puts faster by at least the trial's margin; the GPU times them instead).
 
     python benchmarks/replay_routing.py --source calibrated:default --steps 600
     python benchmarks/replay_routing.py --source trace:trace.jsonl --num-experts 64 --slots 96
@@ -20,6 +21,7 @@ import os
 import sys
 import time
 
+from ftchat.offload.budget import AUTO_CAP, TRIAL_MARGIN
 from ftchat.routing.calibrated import FITS, SEED_GEOMETRY, generate
 from ftchat.routing.link import PCIE4_GBPS, PCIE5_GBPS, LinkModel
 from ftchat.routing.replay import ReplayConfig, belady, replay
@@ -29,6 +31,7 @@ ROW_BYTES = 2_780_160  # one NVFP4 expert row of flash-next
 
 
 def budgets(arm: str, num_layers: int, auto: int) -> tuple[str, tuple[int, ...]]:
+    """An arm's prefetch mode and budget a layer (`auto`: the budget auto settled on)."""
     if arm == "off":
         return "off", tuple(4 if (i % 4 == 3) else 3 for i in range(num_layers))
     if arm == "default":
@@ -69,13 +72,30 @@ def main() -> None:
              "pcie4": LinkModel(args.compute_ms / 1e3, PCIE4_GBPS, args.row_bytes)}
     if args.link_gbps:
         links["link"] = LinkModel(args.compute_ms / 1e3, args.link_gbps, args.row_bytes)
-    auto = links["pcie5"].shadow_budget(L)
     floor = belady(steps, args.num_experts, args.slots, args.warmup)
     out = {"source": args.source, "seed": args.seed, "steps": len(steps), "warmup": args.warmup,
            "slots": args.slots, "compute_ms": args.compute_ms, "belady": floor,
-           "auto_budget": {k: v.shadow_budget(L) for k, v in links.items()}, "rows": []}
+           "auto_bracket": {k: v.bracket(L, AUTO_CAP) for k, v in links.items()},
+           "auto_budget": {}, "rows": []}
     print(f"{args.source}: {len(steps) - args.warmup} tokens counted, {args.slots} slots, "
           f"Belady floor {floor:.1f} misses/token", flush=True)
+    done = {}  # (eviction, arm's budgets) -> counts: auto's trials reuse the fixed arms' replays
+
+    def counts(ev, arm, b):
+        prefetch, bud = budgets(arm, L, b)
+        if (ev, prefetch, bud) not in done:
+            done[ev, prefetch, bud] = replay(steps, args.num_experts,
+                                             ReplayConfig(args.slots, ev, prefetch, bud),
+                                             args.warmup)
+        return prefetch, bud, done[ev, prefetch, bud]
+
+    def auto_budget(ev, link):
+        """The trial on the link model: the faster of the bracket, the larger by the margin."""
+        lo, hi = link.bracket(L, AUTO_CAP)
+        t = {b: link.token_seconds(c.per_layer_misses, c.per_layer_installs)
+             for b in {lo, hi} for c in [counts(ev, "auto", b)[2]]}
+        return hi if t[hi] < t[lo] * (1 - TRIAL_MARGIN) else lo
+
     for ev in args.evictions.split(","):
         if ev == "score" and steps[0].logits is None:
             continue  # a trace carries no router logits
@@ -83,11 +103,11 @@ def main() -> None:
             for link_name, link in links.items():
                 if arm != "auto" and link_name != "pcie5":
                     continue  # the same counts: one replay serves both links
-                b = link.shadow_budget(L) if arm == "auto" else auto
-                prefetch, bud = budgets(arm, L, b)
+                b = auto_budget(ev, link) if arm == "auto" else 0
+                if arm == "auto":
+                    out["auto_budget"].setdefault(ev, {})[link_name] = b
                 t0 = time.perf_counter()
-                c = replay(steps, args.num_experts, ReplayConfig(args.slots, ev, prefetch, bud),
-                           args.warmup)
+                prefetch, bud, c = counts(ev, arm, b)
                 row = {"eviction": ev, "arm": arm if arm != "auto" else f"auto({link_name})",
                        "budget": bud[3] if prefetch == "on" else 0,
                        "misses": c.misses, "installs": c.installs, "rows": c.rows,

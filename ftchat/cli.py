@@ -387,6 +387,8 @@ BENCH_HELP = "\n\n".join((
     "Decode tok/s of several arms side by side in one process (ABAB interleaved).",
     "An arm is one configuration: a prefetch mode (--prefetch), at each budget (--budget) for "
     "the measure and on modes; --arms gives them in bench's own grammar (--help-arms).",
+    "A warm-up round, not timed, runs first: --steps tokens, or 46 where an arm uses "
+    "--budget auto, so that it has chosen its budget before the timed rounds.",
 ))
 
 

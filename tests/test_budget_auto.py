@@ -252,3 +252,9 @@ def test_a_fixed_layer_keeps_its_budget_beside_auto_layers(tiny_nvfp4):
     assert ex.budgets == [4 if a else 2 for a in auto]
     assert ex.auto.limit.tolist() == [ex.auto.chosen if a else 2 for a in auto]
     assert tokens == reference(tiny_nvfp4, 1)[0]
+
+
+def test_the_bench_help_names_the_warm_up_auto_needs():
+    # the help is written without importing torch (budget.py does): the figure is spelled out
+    from ftchat.cli import BENCH_HELP
+    assert f"or {SETTLE_STEPS} where an arm uses" in " ".join(BENCH_HELP.split())

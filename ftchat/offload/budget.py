@@ -45,11 +45,6 @@ AUTO_CAP = 4  # the largest budget auto picks (and the prefetch plan's size)
 SETTLE_STEPS = SKIP_STEPS + WINDOW_STEPS + 2 * (SKIP_STEPS + TRIAL_STEPS)
 
 
-def shadow_budget(compute_s: float, num_layers: int, row_s: float) -> int:
-    """Rows the link carries under one layer's compute: round(T_compute / L / t_row)."""
-    return round(compute_s / num_layers / row_s)
-
-
 def bracket(compute_s: float, num_layers: int, row_s: float, cap: int) -> tuple[int, int]:
     """The two budgets around the link model's rows per layer: floor(r) and floor(r) + 1,
     clamped to 0..cap (one budget twice where r reaches the cap)."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ftchat.offload.budget import shadow_budget
+from ftchat.offload.budget import bracket
 
 PCIE5_GBPS = 52.0  # host-to-device, measured on the H200 machine (docs/performance.md)
 PCIE4_GBPS = 26.0  # half of it: a PCIe-4 x16 slot
@@ -55,7 +55,7 @@ class LinkModel:
         """The overlap bound max(T_compute, T_link): everything overlapped, nothing waited for."""
         return max(self.compute_s, rows_per_token * self.row_s)
 
-    def shadow_budget(self, num_layers: int) -> int:
-        """Rows that fit on the link under one layer's compute: installs beyond it delay the
-        next layer's demand copy (the adaptive budget's ceiling)."""
-        return shadow_budget(self.compute_s, num_layers, self.row_s)
+    def bracket(self, num_layers: int, cap: int) -> tuple[int, int]:
+        """floor(r) and floor(r) + 1 (clamped to 0..cap), r the rows the link carries under one
+        layer's compute: the two budgets `--budget auto` times (offload/budget.py)."""
+        return bracket(self.compute_s, num_layers, self.row_s, cap)
