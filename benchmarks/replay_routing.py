@@ -92,8 +92,10 @@ def main() -> None:
     def auto_budget(ev, link):
         """The trial on the link model: the faster of the bracket, the larger by the margin."""
         lo, hi = link.bracket(L, AUTO_CAP)
-        t = {b: link.token_seconds(c.per_layer_misses, c.per_layer_installs)
-             for b in {lo, hi} for c in [counts(ev, "auto", b)[2]]}
+        t = {}
+        for b in (lo, hi):
+            c = counts(ev, "auto", b)[2]
+            t[b] = link.token_seconds(c.per_layer_misses, c.per_layer_installs)
         return hi if t[hi] < t[lo] * (1 - TRIAL_MARGIN) else lo
 
     for ev in args.evictions.split(","):
