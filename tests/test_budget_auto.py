@@ -15,6 +15,7 @@ from ftchat.offload.budget import (SETTLE_STEPS, SKIP_STEPS, TRIAL_STEPS, WINDOW
 from ftchat.offload.cache import SlotMaps, check_invariants
 from ftchat.offload.policy import RULE
 from ftchat.settings import Settings, override, resolve_settings
+from ftchat.engine import build_experts
 from tests.offload_util import InvariantChecker, model, reference, run
 
 
@@ -132,20 +133,61 @@ def test_the_window_then_both_trials_then_the_faster_budget(hi_ms, expected):
     assert len(limits) == SETTLE_STEPS
     # kept only if at least TRIAL_MARGIN faster: 9.95 ms is 0.5 % faster, not enough
     assert auto.chosen == expected and auto.limit.tolist() == [expected] * layers
-    assert auto.trial_ms == {0: 10.0, 1: 10.0, 2: hi_ms}
+    assert auto.trial_ms == {"window": 10.0, "1": 10.0, "2": hi_ms}
 
 
-def test_budget_zero_reuses_the_window():
+@pytest.mark.parametrize("one_ms,expected", [(9.5, 0), (8.0, 1)])
+def test_budget_zero_is_timed_again_after_the_window(one_ms, expected):
     layers = 4
     misses = torch.zeros(layers, dtype=torch.int64)
-    # 10 ms steps, 4 misses at 2 ms a row: 2 ms compute, 0.5 ms a layer: r = 0.25 -> (0, 1);
-    # only budget 1 is timed, and it is slower than the window
-    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS), (11.0, TRIAL_STEPS)]))
+    # a cold window at 10 ms a step, 4 misses at 2 ms a row: 2 ms compute, 0.5 ms a layer:
+    # r = 0.25 -> (0, 1). Budget 0 then runs at 9 ms (a warm cache); budget 1 at one_ms: 9.5
+    # loses to 0 (it would beat the window's 10), 8.0 wins
+    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS), (9.0, TRIAL_STEPS),
+                                  (one_ms, TRIAL_STEPS)]))
     auto = AutoBudget([None] * layers, 4, 2e-3, torch.device("cpu"), misses, clock)
     limits = []
     _drive(auto, misses, 1, limits)
-    assert auto.pair == (0, 1) and auto.chosen == 0
-    assert limits == [0] * (SKIP_STEPS + WINDOW_STEPS) + [1] * (SKIP_STEPS + TRIAL_STEPS)
+    assert auto.pair == (0, 1) and auto.chosen == expected
+    w, t = SKIP_STEPS + WINDOW_STEPS, SKIP_STEPS + TRIAL_STEPS
+    assert limits == [0] * w + [0] * t + [1] * t and len(limits) == SETTLE_STEPS
+    assert auto.trial_ms == {"window": 10.0, "0": 9.0, "1": one_ms}
+
+
+def test_a_restart_inside_a_trial_times_that_budget_again():
+    layers = 4
+    misses = torch.zeros(layers, dtype=torch.int64)
+    w, t = SKIP_STEPS + WINDOW_STEPS, SKIP_STEPS + TRIAL_STEPS
+    # the window (r = 1.5: bracket (1, 2)), budget 1's first start mark (abandoned), budget 1
+    # again, budget 2
+    marks = _spans([(10.0, WINDOW_STEPS)]) + [100.0] + _spans([(10.0, TRIAL_STEPS),
+                                                                (9.0, TRIAL_STEPS)])
+    auto = AutoBudget([None] * layers, 4, 1e-3, torch.device("cpu"), misses,
+                      ScriptedClock(marks))
+    limits = []
+    for _ in range(w + SKIP_STEPS + 5):  # into budget 1's timed span
+        limits.append(auto.limit.tolist()[0])
+        misses += 1
+        auto.end_step()
+    assert auto.trying == 1 and auto.steps == SKIP_STEPS + 5
+    auto.restart()  # e.g. a prefill between two decode steps
+    assert auto.trying == 1 and auto.limit.tolist() == [1] * layers  # the trial's budget stays
+    _drive(auto, misses, 1, limits)
+    assert limits == [0] * w + [1] * (SKIP_STEPS + 5) + [1] * t + [2] * t
+    assert auto.chosen == 2 and auto.trial_ms == {"window": 10.0, "1": 10.0, "2": 9.0}
+
+
+def test_a_new_batch_size_restarts_the_span():
+    clock = ScriptedClock([0.0, 5.0, 5.0 + WINDOW_STEPS * 10e-3])
+    auto = AutoBudget([None] * 2, 4, 1e-3, torch.device("cpu"), torch.zeros(2, dtype=torch.int64),
+                      clock)
+    for _ in range(SKIP_STEPS + 1):
+        auto.end_step(rows=1)
+    assert auto.steps == SKIP_STEPS + 1
+    auto.end_step(rows=2)  # one more row: the span starts again with this step
+    assert auto.steps == 1
+    auto.end_step(rows=2)
+    assert auto.steps == 2  # control: the same size goes on counting
 
 
 def test_at_the_cap_no_trial_runs():
@@ -188,7 +230,27 @@ def test_prefetch_with_auto_budget_is_bit_identical_to_off(fmt, bs, request):
     stats = ex.stats()
     assert ex.auto.row_s > 0 and stats["budget_auto"] == ex.auto.chosen
     assert stats["auto_compute_us"] == ex.auto.layer_compute_us > 0
-    assert stats["auto_trial_ms"] == ex.auto.trial_ms and 0 in stats["auto_trial_ms"]
+    assert stats["auto_trial_ms"] == ex.auto.trial_ms and "window" in stats["auto_trial_ms"]
+
+
+def test_a_trial_through_the_backend(tiny_nvfp4, monkeypatch):
+    # the bracket set to (1, 2) whatever the CPU's times: the backend runs the window, both
+    # trials, then keeps one of the two; tokens as the resident backend's
+    monkeypatch.setattr(budget, "bracket", lambda *a: (1, 2))
+    slots = 2 * model(tiny_nvfp4).args.num_experts_per_tok + 8
+    tokens, _, ex = run(tiny_nvfp4, 1, slots=slots, prefetch="on")
+    assert set(ex.auto.trial_ms) == {"window", "1", "2"} and ex.auto.chosen in (1, 2)
+    assert tokens == reference(tiny_nvfp4, 1)[0]
+
+
+def test_a_prefill_restarts_the_span(tiny_nvfp4):
+    m = model(tiny_nvfp4)
+    ex = build_experts(m, Settings(prefetch="on", slots=2 * m.args.num_experts_per_tok + 8))
+    for _ in range(3):
+        ex.auto.end_step(1)
+    assert ex.auto.steps == 3  # control: steps count up without a prefill
+    ex.for_prefill()
+    assert ex.auto.steps == 0
 
 
 def test_installs_stop_at_the_chosen_budget(tiny_nvfp4, monkeypatch):

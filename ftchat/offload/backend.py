@@ -182,6 +182,8 @@ class OffloadExperts:
     def for_prefill(self) -> ResidentExperts | StagedExperts:
         """Prefill reads its experts from the host rows (CPU) or a staging area (CUDA, filled
         from the host and from the slots it finds resident: `staged_prefill`)."""
+        if self.auto is not None:
+            self.auto.restart()  # a span times decode steps: this prefill is not one
         if self.device.type == "cpu":
             return ResidentExperts(self.host, self.layout, self.num_experts, self.kernels)
         return self.staged_prefill()
@@ -283,7 +285,7 @@ class OffloadExperts:
         if self.started is None:
             self.started = time.perf_counter()
         if self.auto is not None:
-            self.auto.end_step()
+            self.auto.end_step(tokens)
         self.hooks.end_step(self.view)
 
     def stats(self) -> dict[str, float | int | None]:

@@ -17,9 +17,11 @@ Everything is measured in this process, on this machine:
   T_compute  over `WINDOW_STEPS` decode steps after `SKIP_STEPS`, the auto layers at budget 0
              (prefetch predicts but installs nothing there: the prefetch-off step): the mean
              step time less the demand copies' link time (misses x t_row);
-  the trial  `TRIAL_STEPS` steps after `SKIP_STEPS` at each budget of the bracket (budget 0
-             reuses the window's time); the larger one is kept only if its steps are at least
-             `TRIAL_MARGIN` faster. At most `SETTLE_STEPS` decode steps until the choice.
+  the trial  `TRIAL_STEPS` steps after `SKIP_STEPS` at each budget of the bracket, budget 0
+             too (the window ran on a colder cache); the larger one is kept only if its steps
+             are more than `TRIAL_MARGIN` faster. At most `SETTLE_STEPS` decode steps until
+             the choice, unless a span starts again: at a prefill, an emptied cache or a new
+             batch size (a span times decode steps of one shape only).
 The budget lives in a device tensor [L] int32 that the prefetch kernel reads (`limit`), so a
 captured graph picks each new value up without a recapture. The choice is kept for the process:
 link and compute do not change between sequences. One host sync at the end of each timed span.
@@ -39,7 +41,7 @@ LINK_PROBE_ROWS = 32  # rows in the link probe: a few MB at the real geometry
 SKIP_STEPS = 2  # decode steps before the window (the first ones after a prefill or capture)
 WINDOW_STEPS = 8  # decode steps timed at budget 0
 TRIAL_STEPS = 16  # decode steps timed at each budget of the bracket
-TRIAL_MARGIN = 0.01  # the larger budget is kept only if its steps are this much faster
+TRIAL_MARGIN = 0.01  # the larger budget is kept only if its steps are more than this faster
 AUTO_CAP = 4  # the largest budget auto picks (and the prefetch plan's size)
 # decode steps until the budget is chosen, at most: the window, then two trials
 SETTLE_STEPS = SKIP_STEPS + WINDOW_STEPS + 2 * (SKIP_STEPS + TRIAL_STEPS)
@@ -112,12 +114,14 @@ class AutoBudget:
                                   device=device)  # [L]
         self.chosen: int | None = None  # the budget of the auto layers, once settled
         self.compute_s: float | None = None  # the measured compute time of a step
-        self.step_s: dict[int, float] = {}  # budget -> measured step time (window and trials)
+        self.window_s: float | None = None  # the window's step time (budget 0, cold cache)
+        self.step_s: dict[int, float] = {}  # budget -> measured step time in its trial
         self.pending: list[int] = []  # budgets still to time
         self.pair: tuple[int, int] | None = None  # the bracket (floor(r), floor(r) + 1)
         self.trying: int | None = None  # the budget being timed; None: the window (budget 0)
         self.steps = 0  # steps into the current span
         self.start: tuple[object, Tensor] | None = None  # (time stamp, misses so far)
+        self.rows: int | None = None  # the batch rows of the span's steps
 
     @property
     def layer_compute_us(self) -> float | None:
@@ -125,9 +129,10 @@ class AutoBudget:
         return None if self.compute_s is None else self.compute_s / self.num_layers * 1e6
 
     @property
-    def trial_ms(self) -> dict[int, float]:
-        """The measured step time in ms of each budget timed (0: the window)."""
-        return {b: round(t * 1e3, 3) for b, t in sorted(self.step_s.items())}
+    def trial_ms(self) -> dict[str, float]:
+        """The measured step time in ms of the window and of each budget timed."""
+        out = {} if self.window_s is None else {"window": round(self.window_s * 1e3, 3)}
+        return out | {str(b): round(t * 1e3, 3) for b, t in sorted(self.step_s.items())}
 
     @classmethod
     def measured(cls, fixed: list[int | None], cap: int, host: Tensor, bank: Tensor, streams,
@@ -143,12 +148,17 @@ class AutoBudget:
         return cls(fixed, cap, row_s, bank.device, misses, clock)
 
     def restart(self) -> None:
-        """The cache was emptied: a span in progress starts again (a chosen budget stays)."""
+        """A span in progress starts again (a chosen budget stays): the cache was emptied, or
+        a prefill runs between decode steps (its time is not a decode step's)."""
         self.steps, self.start = 0, None
 
-    def end_step(self) -> None:
+    def end_step(self, rows: int = 1) -> None:
+        """A decode step of `rows` batch rows ended."""
         if self.chosen is not None:
             return
+        if rows != self.rows:  # a span times steps of one batch size
+            self.restart()
+            self.rows = rows
         self.steps += 1
         span = WINDOW_STEPS if self.trying is None else TRIAL_STEPS
         if self.steps == SKIP_STEPS:
@@ -170,10 +180,11 @@ class AutoBudget:
         as configured."""
         # the demand copies are on the critical path; what remains is compute
         self.compute_s = max(step_s - misses_per_step * self.row_s, 0.0)
-        self.step_s[0] = step_s
+        self.window_s = step_s
         self.pair = bracket(self.compute_s, self.num_layers, self.row_s, self.cap)
         lo, hi = self.pair
-        self.pending = [] if lo == hi else [b for b in (lo, hi) if b not in self.step_s]
+        # budget 0 is timed again too: the window's steps ran on a colder cache
+        self.pending = [] if lo == hi else [lo, hi]
         self._next_trial()
 
     def _next_trial(self) -> None:
