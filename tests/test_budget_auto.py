@@ -115,39 +115,40 @@ def _drive(auto, misses, per_step, limits):
             return
 
 
+def _settle(row_s, step_ms, misses_per_layer=1, layers=4):
+    """An auto budget over `layers` layers at `row_s` a row, its clock giving the spans
+    `step_ms` [(ms a step, steps)], driven until it chooses: (auto, the limit of each step)."""
+    misses = torch.zeros(layers, dtype=torch.int64)
+    auto = AutoBudget([None] * layers, 4, row_s, torch.device("cpu"), misses,
+                      ScriptedClock(_spans(step_ms)))
+    limits = []
+    _drive(auto, misses, misses_per_layer, limits)
+    return auto, limits
+
+
 @pytest.mark.parametrize("hi_ms,expected", [(9.0, 2), (9.95, 1), (10.5, 1)])
 def test_the_window_then_both_trials_then_the_faster_budget(hi_ms, expected):
-    layers = 4
-    misses = torch.zeros(layers, dtype=torch.int64)
-    # the window at 10 ms a step with 4 misses a step at 1 ms a row: 6 ms compute, 1.5 ms a
-    # layer, r = 1.5 -> the bracket (1, 2); then budget 1 at 10 ms a step, budget 2 at hi_ms
-    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS), (10.0, TRIAL_STEPS),
-                                  (hi_ms, TRIAL_STEPS)]))
-    auto = AutoBudget([None] * layers, 4, 1e-3, torch.device("cpu"), misses, clock)
-    limits = []
-    _drive(auto, misses, 1, limits)  # one miss a layer a step
+    # the window at 10 ms a step with 4 misses a step (4 layers) at 1 ms a row: 6 ms compute,
+    # 1.5 ms a layer, r = 1.5 -> the bracket (1, 2); then budget 1 at 10 ms, budget 2 at hi_ms
+    auto, limits = _settle(1e-3, [(10.0, WINDOW_STEPS), (10.0, TRIAL_STEPS),
+                                  (hi_ms, TRIAL_STEPS)])
     assert auto.compute_s == pytest.approx(6e-3) and auto.pair == (1, 2)
     assert auto.layer_compute_us == pytest.approx(1500.0)
     w, t = SKIP_STEPS + WINDOW_STEPS, SKIP_STEPS + TRIAL_STEPS
     assert limits == [0] * w + [1] * t + [2] * t  # each span ran at its budget
     assert len(limits) == SETTLE_STEPS
     # kept only if at least TRIAL_MARGIN faster: 9.95 ms is 0.5 % faster, not enough
-    assert auto.chosen == expected and auto.limit.tolist() == [expected] * layers
+    assert auto.chosen == expected and auto.limit.tolist() == [expected] * 4
     assert auto.trial_ms == {"window": 10.0, "1": 10.0, "2": hi_ms}
 
 
 @pytest.mark.parametrize("one_ms,expected", [(9.5, 0), (8.0, 1)])
 def test_budget_zero_is_timed_again_after_the_window(one_ms, expected):
-    layers = 4
-    misses = torch.zeros(layers, dtype=torch.int64)
     # a cold window at 10 ms a step, 4 misses at 2 ms a row: 2 ms compute, 0.5 ms a layer:
     # r = 0.25 -> (0, 1). Budget 0 then runs at 9 ms (a warm cache); budget 1 at one_ms: 9.5
     # loses to 0 (it would beat the window's 10), 8.0 wins
-    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS), (9.0, TRIAL_STEPS),
-                                  (one_ms, TRIAL_STEPS)]))
-    auto = AutoBudget([None] * layers, 4, 2e-3, torch.device("cpu"), misses, clock)
-    limits = []
-    _drive(auto, misses, 1, limits)
+    auto, limits = _settle(2e-3, [(10.0, WINDOW_STEPS), (9.0, TRIAL_STEPS),
+                                  (one_ms, TRIAL_STEPS)])
     assert auto.pair == (0, 1) and auto.chosen == expected
     w, t = SKIP_STEPS + WINDOW_STEPS, SKIP_STEPS + TRIAL_STEPS
     assert limits == [0] * w + [0] * t + [1] * t and len(limits) == SETTLE_STEPS
@@ -191,11 +192,8 @@ def test_a_new_batch_size_restarts_the_span():
 
 
 def test_at_the_cap_no_trial_runs():
-    misses = torch.zeros(2, dtype=torch.int64)
-    clock = ScriptedClock(_spans([(10.0, WINDOW_STEPS)]))  # a trial would need more marks
-    auto = AutoBudget([None] * 2, 4, 1e-3, torch.device("cpu"), misses, clock)
-    limits = []
-    _drive(auto, misses, 0, limits)
+    # a trial would need more marks than the window's two
+    auto, limits = _settle(1e-3, [(10.0, WINDOW_STEPS)], misses_per_layer=0, layers=2)
     # 10 ms over 2 layers at 1 ms a row: 5 rows, capped at 4
     assert auto.chosen == 4 and auto.pair == (4, 4) and len(limits) == SKIP_STEPS + WINDOW_STEPS
 
