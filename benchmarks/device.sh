@@ -20,7 +20,8 @@
 #   offload-demo  the same on the trained demo model (8 layers, 64 experts top-8) offloaded at
 #              SLOTS=96, its own routing and a trace recorded from it, one process each
 #              [ARMS='resident;off;on:budget=1;on:budget=auto', CTX=3k, DEMO_ROUTING=model,
-#              trace:docs/results/routing_trace_demo.jsonl] -> offload_demo_<source>.json
+#              trace:docs/results/routing_trace_demo_with_logits.jsonl (it carries the router
+#              logits: eviction score replays it)] -> offload_demo_<source>.json
 #   prefill48  prompt prefill tok/s at 48 layers, offloaded at 1,650 slots (staging, layer
 #              streaming) and resident: benchmarks/profile_prefill.py [LENGTHS=32768 (a comma
 #              list: one process each), CHUNKS=8192, PREFILL_ARMS=offload,resident,
@@ -292,7 +293,7 @@ bench48() {  # NAME ARMS CTX [more bench flags]
 
 offload_demo() {  # the demo model's cells: its routers, then its recorded trace
   local src tag
-  local list=${DEMO_ROUTING:-model,trace:$PWD/docs/results/routing_trace_demo.jsonl}
+  local list=${DEMO_ROUTING:-model,trace:$PWD/docs/results/routing_trace_demo_with_logits.jsonl}
   for src in ${list//,/ }; do
     tag=${src%%:*}
     bench_run "offload_demo_$tag" 8 --json --slots "${SLOTS:-96}" \

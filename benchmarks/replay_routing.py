@@ -100,7 +100,7 @@ def main() -> None:
 
     for ev in args.evictions.split(","):
         if ev == "score" and steps[0].logits is None:
-            continue  # a trace carries no router logits
+            continue  # a trace recorded before --record-routing wrote logits
         for arm in args.arms.split(","):
             for link_name, link in links.items():
                 if arm != "auto" and link_name != "pcie5":

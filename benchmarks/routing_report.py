@@ -129,18 +129,21 @@ def token_lookahead(x: Tensor, router: Tensor, k: int) -> Tensor:
 
 class RecordingExperts(ForwardingBackend):
     """ExpertBackend wrapper: forwards every call to `inner` and records, per MoE call, the routed
-    ids [T, K] and the next layer's lookahead candidates [T, C] computed from the router input.
-    (Per token, unlike the backend's lookahead, which sums a chunk's probabilities.)"""
+    ids [T, K], the router logits [T, E] and the next layer's lookahead candidates [T, C]
+    computed from the router input. (Per token, unlike the backend's lookahead, which sums a
+    chunk's probabilities.)"""
 
     def __init__(self, inner, routers: list[Tensor], k: int,
                  predictor: Callable[[Tensor, Tensor, int], Tensor] = token_lookahead):
         super().__init__(inner)
         self.routers, self.k, self.predictor = routers, k, predictor
         self.ids: list[list[Tensor]] = [[] for _ in routers]  # per layer: [T, K] per call
+        self.logits: list[list[Tensor]] = [[] for _ in routers]  # per layer: [T, E] per call
         self.cands: list[list[Tensor]] = [[] for _ in routers[1:]]  # per layer < last: [T, C]
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         self.ids[layer].append(ids.detach().clone())
+        self.logits[layer].append((x.detach() @ self.routers[layer].T).float())
         if layer + 1 < len(self.routers):
             self.cands[layer].append(self.predictor(x.detach(), self.routers[layer + 1], self.k))
         return self.inner.begin(layer, x, ids)
@@ -148,13 +151,16 @@ class RecordingExperts(ForwardingBackend):
     def for_prefill(self) -> RecordingExperts:
         return self
 
-    def take(self) -> tuple[Tensor, Tensor]:
-        """(routed [T, L, K], candidates [T, L-1, C]) recorded since the last take."""
+    def take(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(routed [T, L, K], candidates [T, L-1, C], logits [T, L, E]) recorded since the last
+        take."""
         routed = torch.stack([torch.cat(per) for per in self.ids], dim=1)
         cands = torch.stack([torch.cat(per) for per in self.cands], dim=1)
+        logits = torch.stack([torch.cat(per) for per in self.logits], dim=1)
         self.ids = [[] for _ in self.ids]
         self.cands = [[] for _ in self.cands]
-        return routed, cands
+        self.logits = [[] for _ in self.logits]
+        return routed, cands, logits
 
 
 @dataclass
@@ -165,6 +171,22 @@ class Trace:
     cands: Tensor  # [T, L-1, C] int64 lookahead candidates for layer l+1, best first
     doc_start: Tensor  # [T] bool: first token of a document
     num_experts: int
+    logits: Tensor | None = None  # [T, L, E] fp32 router logits
+
+    def write_jsonl(self, path: Path) -> None:
+        """The tokens as a `--record-routing` file, one line a token (what
+        benchmarks/replay_routing.py --source trace:FILE replays, eviction score included)."""
+        from ftchat.routing.trace import encode_logits
+
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "w") as f:
+            for t in range(self.routed.shape[0]):
+                line = {"step": t + 1, "routed": self.routed[t].tolist(),
+                        "candidates": self.cands[t].tolist()}
+                if self.logits is not None:
+                    line["logits_f16"] = encode_logits(self.logits[t].numpy())
+                f.write(json.dumps(line) + "\n")
+        tmp.replace(path)
 
     @property
     def top_k(self) -> int:
@@ -186,16 +208,18 @@ def capture_routing(m, docs: list[list[int]], k: int) -> Trace:
 
     rec = RecordingExperts(resident_backend(m), routers_of(m), min(k, m.args.num_experts))
     dec = Decoder(m, rec, 1, max(len(d) for d in docs) + 1)
-    routed, cands, starts = [], [], []
+    routed, cands, logits, starts = [], [], [], []
     with torch.inference_mode():
         for doc in docs:
             dec.reset(experts=False)
             dec.prefill(0, torch.tensor(doc), 0)
-            r, c = rec.take()
+            r, c, z = rec.take()
             routed.append(r)
             cands.append(c)
+            logits.append(z)
             starts.append(torch.arange(len(doc)) == 0)
-    return Trace(torch.cat(routed), torch.cat(cands), torch.cat(starts), m.args.num_experts)
+    return Trace(torch.cat(routed), torch.cat(cands), torch.cat(starts), m.args.num_experts,
+                 torch.cat(logits))
 
 
 def decode_agreement(m, doc: list[int], n: int, k: int) -> dict:
@@ -210,7 +234,7 @@ def decode_agreement(m, doc: list[int], n: int, k: int) -> dict:
     with torch.inference_mode():
         for i in range(n):
             dec.step(torch.tensor([doc[i]]), [i])
-    routed, cands = rec.take()
+    routed, cands, _ = rec.take()
     same = (routed.sort(-1).values == pre.routed.sort(-1).values).all(-1)  # [n, L]
     same_c = (cands.sort(-1).values == pre.cands.sort(-1).values).all(-1)  # [n, L-1]
     return {"tokens": n, "routed_equal": int(same.sum()), "routed_total": same.numel(),
@@ -623,6 +647,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--crosscheck", type=int, default=100,
                    help="tokens on which the cache replica is compared with ftchat's code")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--trace-out", type=Path, default=None, metavar="FILE",
+                   help="also write the captured routing as a --record-routing trace")
     a = p.parse_args(argv)
     if a.tokens < 2 or a.seq < 2 or a.candidates < 1 or a.budget < 1:
         p.error("--tokens and --seq must be >= 2, --candidates and --budget >= 1")
@@ -646,6 +672,8 @@ def run(a: argparse.Namespace) -> dict:
         raise FtchatError(f"--budget {a.budget} is above the smallest cache size {sizes[0]}")
     trace = capture_routing(m, docs, a.candidates)
     _log(f"routing of {trace.routed.shape[0]} tokens captured [{time.perf_counter() - t0:.1f}s]")
+    if a.trace_out:
+        trace.write_jsonl(a.trace_out)
     check = decode_agreement(m, docs[0], a.decode_check, a.candidates)
     crosscheck(trace, sizes, a.budget, a.crosscheck)
     _log(f"decode check and cache crosscheck done [{time.perf_counter() - t0:.1f}s]")

@@ -15,6 +15,7 @@ from ftchat.offload.backend import OffloadExperts
 from ftchat.routing.calibrated import Geometry
 from ftchat.routing.forced import ForcedRouting, RoutingSource, first_steps
 from ftchat.routing.replay import ReplayConfig, replay
+from ftchat.routing.trace import encode_logits
 from ftchat.settings import Settings
 from tests.offload_util import PROMPTS, InvariantChecker, model
 
@@ -39,17 +40,22 @@ def decode(m, ex, bs: int, steps: int = STEPS):
     return [s.tokens for s in out], torch.stack([s.logits for s in out])
 
 
-@pytest.fixture(scope="module")
-def trace_file(tiny_nvfp4, tmp_path_factory):
-    """A trace in the --record-routing format, of the tiny model's geometry (calibrated)."""
-    m = model(tiny_nvfp4)
-    path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
+def _write_trace(m, path, logits: bool) -> str:
+    """A trace in the --record-routing format, of the tiny model's geometry (calibrated), with
+    the router logits or without them (as recorded before they were)."""
     with open(path, "w") as f:
         for n, s in enumerate(first_steps(RoutingSource("calibrated", "sticky", 3),
                                           geometry(m), 60), 1):
-            f.write(json.dumps({"step": n, "routed": s.routed.tolist(),
-                                "candidates": s.candidates.tolist()}) + "\n")
+            line = {"step": n, "routed": s.routed.tolist(), "candidates": s.candidates.tolist()}
+            if logits:
+                line["logits_f16"] = encode_logits(s.logits)
+            f.write(json.dumps(line) + "\n")
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def trace_file(tiny_nvfp4, tmp_path_factory):
+    return _write_trace(model(tiny_nvfp4), tmp_path_factory.mktemp("trace") / "t.jsonl", True)
 
 
 # drifting differs from calibrated only in how its routing moves over time: one batch size
@@ -61,8 +67,7 @@ def test_prefetch_and_offload_change_no_bit_under_a_forced_source(tiny_nvfp4, tr
     m = model(tiny_nvfp4)
     ref = decode(m, forced(m, source, bs, resident=True), bs)  # eviction plays no part in it
     slots = 2 * bs * m.args.num_experts_per_tok + 8
-    # a trace carries no router logits, which eviction score reads
-    for eviction in ("rule",) if spec == "trace" else ("rule", "score"):
+    for eviction in ("rule", "score"):
         for prefetch in ("off", "on"):
             ex = forced(m, source, bs, slots=slots, eviction=eviction, prefetch=prefetch,
                         budget_gdn=3, budget_attn=4)
@@ -83,16 +88,18 @@ def test_the_source_routes_the_decode_steps(tiny_nvfp4):
     assert int(own.maps.stats.misses.sum()) != int(ex.inner.maps.stats.misses.sum())
 
 
-@pytest.mark.parametrize("eviction", ["rule", "lru", "score"])
-def test_backend_counters_equal_the_replay_for_the_same_steps(tiny_nvfp4, eviction):
+@pytest.mark.parametrize("eviction, spec", [("rule", "calibrated"), ("lru", "calibrated"),
+                                             ("score", "calibrated"), ("score", "trace")])
+def test_backend_counters_equal_the_replay_for_the_same_steps(tiny_nvfp4, trace_file, eviction,
+                                                              spec):
     m = model(tiny_nvfp4)
-    source = RoutingSource.parse("calibrated")
+    source = RoutingSource.parse(f"trace:{trace_file}" if spec == "trace" else spec)
     ex = forced(m, source, 1, slots=20, eviction=eviction, prefetch="on", budget_gdn=2,
                 budget_attn=4)
     decode(m, ex, 1, 120)
     inner: OffloadExperts = ex.inner
     n = inner.step  # decode steps run
-    steps = first_steps(source, geometry(m), n)
+    steps = first_steps(source, geometry(m), n)  # a trace's 60 steps repeat: as the source's
     c = replay(steps, m.args.num_experts,
                ReplayConfig(20, eviction, "on", tuple(inner.budgets)), warmup=0)
     st = inner.maps.stats
@@ -125,3 +132,20 @@ def test_a_bad_trace_names_its_line(tmp_path):
     p.write_text('{"step": 1}\n')
     with pytest.raises(FtchatError, match="line 1 lacks"):
         read_trace(p)
+
+
+def test_eviction_score_refuses_a_trace_without_logits(tiny_nvfp4, tmp_path):
+    # scores from an all-zero buffer would rank nothing: a clear error instead
+    m = model(tiny_nvfp4)
+    old = RoutingSource.parse(f"trace:{_write_trace(m, tmp_path / 'old.jsonl', False)}")
+    with pytest.raises(FtchatError, match="needs router logits"):
+        forced(m, old, 1, slots=20, eviction="score")
+    forced(m, old, 1, slots=20, eviction="rule")  # control: rule needs none
+
+
+def test_a_trace_of_another_expert_count_is_refused(trace_file, tiny_nvfp4):
+    geo = geometry(model(tiny_nvfp4))
+    wide = Geometry(geo.num_layers, geo.num_experts + 1, geo.top_k, geo.candidates)
+    with pytest.raises(FtchatError, match="router logits a layer"):
+        RoutingSource.parse(f"trace:{trace_file}").steps(wide)
+    RoutingSource.parse(f"trace:{trace_file}").steps(geo)  # control

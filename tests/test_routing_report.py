@@ -196,6 +196,27 @@ def test_tiny_model_figures_in_range(tiny_bf16, tiny_trace):
         [T * K - f for f in first]
 
 
+def test_captured_routing_as_a_trace_file(tiny_bf16, tiny_trace, tmp_path):
+    # --trace-out: the captured tokens as a --record-routing file that read_trace takes back,
+    # routed ids and candidates exact, logits to float16, ranking the routed ids first
+    from ftchat.routing.trace import read_trace
+
+    trace, _ = tiny_trace
+    path = tmp_path / "t.jsonl"
+    trace.write_jsonl(path)
+    steps = read_trace(path)
+    assert len(steps) == trace.routed.shape[0]
+    for t in (0, 1, 150, len(steps) - 1):
+        s = steps[t]
+        assert s.routed.tolist() == trace.routed[t].tolist()
+        assert s.candidates.tolist() == trace.cands[t].tolist()
+        z = trace.logits[t]
+        assert torch.allclose(torch.from_numpy(s.logits), z, rtol=2**-10, atol=1e-4)
+        for layer, ids in enumerate(s.routed):
+            rest = [e for e in range(z.shape[1]) if e not in set(ids.tolist())]
+            assert z[layer, ids].min() > z[layer, rest].max()  # the router's own logits
+
+
 def test_prefill_routing_equals_decode_routing(tiny_bf16, tiny_trace):
     _, docs = tiny_trace
     chk = rr.decode_agreement(model(tiny_bf16), docs[0], 12, 16)

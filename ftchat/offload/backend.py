@@ -364,6 +364,10 @@ class OffloadExperts:
         the model dtype: no fp32 copy of the router in the decode step)."""
         return (x @ self.routers[layer].T).float()
 
+    def step_logits(self, layer: int) -> Tensor:
+        """Layer's router logits [T, E] on the input its `begin` of this step received."""
+        return self.router_logits(layer, self.live[layer][2])
+
     def _measure(self, layer: int, ids: Tensor) -> None:
         """Count what prefetch would have done for `layer` (read-only)."""
         self.streams.wait("compute", self.pred_done[layer])

@@ -27,6 +27,8 @@ class ViewedBackend(Protocol):
 
     def candidates(self, layer: int) -> Tensor: ...
 
+    def step_logits(self, layer: int) -> Tensor: ...
+
 
 class BackendView:
     """The read-only face of an OffloadExperts that hooks receive."""
@@ -66,6 +68,11 @@ class BackendView:
         """The router lookahead's candidates [C] for `layer`, as prefetch uses them (the
         compute stream waits for them). Only when a hook sets `reads_candidates`."""
         return self._b.candidates(layer)
+
+    def router_logits(self, layer: int) -> Tensor:
+        """Layer's router logits [T, E] fp32 on this step's input, during its MoE block (between
+        `begin` and the end of `finish`). Computed for the caller: a GEMV, no map read."""
+        return self._b.step_logits(layer)
 
 
 class Hooks:

@@ -62,6 +62,9 @@ class RoutingSource:
             raise FtchatError(f"routing trace {self.arg}: {got[0]} layers of top-{got[1]} ids "
                               f"up to {got[2] - 1}; the model has {geo.num_layers} layers, "
                               f"top-{geo.top_k} of {geo.num_experts} experts")
+        if first.logits is not None and first.logits.shape[1] != geo.num_experts:
+            raise FtchatError(f"routing trace {self.arg}: {first.logits.shape[1]} router logits "
+                              f"a layer; the model has {geo.num_experts} experts")
         return lambda: cycle(trace)
 
 
@@ -77,6 +80,8 @@ class ForcedRouting(ForwardingBackend):
         self.weights = torch.zeros(L, batch, K, dtype=dtype, device=device)  # [L, B, K]
         self.cands = torch.zeros(L, geo.candidates, dtype=torch.int64, device=device)  # [L, C]
         self.logits = torch.zeros(L, E, dtype=torch.float32, device=device)  # [L, E]
+        # eviction `score` reads the source's logits: a trace recorded without them has none
+        self.needs_logits = isinstance(inner, OffloadExperts) and inner.policy.reads_scores
         if isinstance(inner, OffloadExperts):  # the lookahead and the scores follow the source
             inner.predictor = lambda nxt, x: self.cands[nxt]
             inner.scorer = lambda layer, x: self.logits[layer][None].expand(x.shape[0], -1)
@@ -93,6 +98,9 @@ class ForcedRouting(ForwardingBackend):
         self.cands[1:].copy_(torch.from_numpy(s.candidates))  # row l+1 predicted at layer l
         if s.logits is not None:
             self.logits.copy_(torch.from_numpy(s.logits))
+        elif self.needs_logits:
+            raise FtchatError("--eviction score needs router logits, and this routing trace has "
+                              "none (it was recorded before --record-routing wrote them)")
 
     def begin(self, layer: int, x: Tensor, ids: Tensor) -> Pending:
         return self.inner.begin(layer, x, self.ids[layer, :ids.shape[0]])

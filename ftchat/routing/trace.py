@@ -1,8 +1,12 @@
 """Routing traces: the `--record-routing` JSON lines format (ftchat/debug/routing_record.py),
-read back as RoutingSteps for the replay and the bench's `trace:FILE` source."""
+read back as RoutingSteps for the replay and the bench's `trace:FILE` source. A line's
+`logits_f16` (the router logits, base64 of float16 [L, E]) is optional: traces recorded before
+it existed carry none, and eviction `score` cannot replay those."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +18,8 @@ from ftchat.routing.calibrated import RoutingStep
 
 
 def read_trace(path: str | Path) -> list[RoutingStep]:
-    """Every step of a trace file. A trace carries no router logits: its steps' logits are
-    None, so the `score` eviction policy cannot replay it."""
+    """Every step of a trace file; a step's logits are None where its line has none (then
+    every line must lack them: a replay cannot switch policies' inputs halfway)."""
     steps = []
     try:
         with open(path, encoding="utf-8") as f:
@@ -30,6 +34,10 @@ def read_trace(path: str | Path) -> list[RoutingStep]:
         raise FtchatError(f"cannot read routing trace {path}: {e}") from None
     if not steps:
         raise FtchatError(f"routing trace {path} holds no steps")
+    widths = {None if s.logits is None else s.logits.shape[1] for s in steps}
+    if len(widths) > 1:
+        raise FtchatError(f"routing trace {path}: some lines have logits_f16 and some do not, "
+                          f"or their widths differ")
     return steps
 
 
@@ -43,9 +51,33 @@ def _step(rec: dict, path, n: int) -> RoutingStep:
     if routed.ndim != 2 or cands.ndim != 2 or cands.shape[0] != routed.shape[0] - 1:
         raise FtchatError(f"routing trace {path}: line {n}: routed must be [L, K] and "
                           f"candidates [L-1, C]")
+    logits = None
+    if "logits_f16" in rec:
+        try:
+            logits = decode_logits(rec["logits_f16"], routed.shape[0])
+        except (TypeError, ValueError, binascii.Error) as e:
+            raise FtchatError(f"routing trace {path}: line {n}: logits_f16: {e}") from None
+        if logits.shape[1] <= int(routed.max()):
+            raise FtchatError(f"routing trace {path}: line {n}: {logits.shape[1]} logits a "
+                              f"layer, but expert {int(routed.max())} is routed")
     k = routed.shape[1]
     return RoutingStep(routed=routed, weights=np.full(routed.shape, 1.0 / k, np.float32),
-                       candidates=cands, logits=None)
+                       candidates=cands, logits=logits)
+
+
+def encode_logits(logits: np.ndarray) -> str:
+    """[L, E] router logits -> base64 of the little-endian float16 array (a line's logits_f16)."""
+    return base64.b64encode(np.ascontiguousarray(logits, dtype="<f2").tobytes()).decode("ascii")
+
+
+def decode_logits(text: str, num_layers: int) -> np.ndarray:
+    """encode_logits' inverse: [L, E] float32. ValueError (binascii.Error) on other text."""
+    if not isinstance(text, str):
+        raise ValueError("expected a base64 string")
+    a = np.frombuffer(base64.b64decode(text, validate=True), dtype="<f2")
+    if a.size == 0 or a.size % num_layers:
+        raise ValueError(f"{a.size} values for {num_layers} layers")
+    return a.reshape(num_layers, -1).astype(np.float32)
 
 
 def cycle(steps: list[RoutingStep]) -> Iterator[RoutingStep]:
