@@ -51,4 +51,3 @@ class RoutingRecorder(Hooks):
 
     def discard(self) -> None:
         self.file.discard()
-
