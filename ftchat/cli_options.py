@@ -147,8 +147,9 @@ Pdl = Annotated[bool | None, typer.Option(
 # ===== offload tuning =====
 Prefetch = Annotated[str | None, typer.Option(
     metavar="MODE", rich_help_panel=OFFLOAD,
-    help="Expert prefetch: auto (default: on where experts are offloaded on a GPU, else off), "
-    "off, measure (predict and count, copy nothing) or on (env FREETOKEN_MOE_PREFETCH)")]
+    help="Expert prefetch: auto (default: on where experts are offloaded on a GPU and an "
+    "expert is at least 256 KiB, else off), off, measure (predict and count, copy nothing) or "
+    "on (env FREETOKEN_MOE_PREFETCH)")]
 Budget = Annotated[str | None, typer.Option(
     metavar="N|auto", rich_help_panel=OFFLOAD,
     help="Prefetch budget before every layer; auto (default): the rows the link carries under "

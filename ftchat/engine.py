@@ -131,7 +131,8 @@ def build_experts(m: LoadedModel, settings: Settings, hooks: Hooks | None = None
     if all_fit and settings.prefetch in ("off", "auto") and hooks is None:
         return resident_backend(m)
     on_cuda = m.device.type == "cuda"
-    settings = dataclasses.replace(settings, prefetch=settings.prefetch_mode(on_cuda))
+    settings = dataclasses.replace(settings,
+                                   prefetch=settings.prefetch_mode(on_cuda, m.layout.nbytes))
     routers = m.family.routers(m.weights, a)
     cfg = OffloadConfig.from_settings(settings, S, a.num_experts)
     attention = set(m.family.attention_layers(a))

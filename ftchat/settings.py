@@ -29,6 +29,12 @@ ENV_VRAM_BUDGET = "FTCHAT_VRAM_BUDGET"  # GiB; ftchat's own, not a seed variable
 ENV_KV_CACHE_DTYPE = "FTCHAT_KV_CACHE_DTYPE"  # auto or fp8; ftchat's own
 ENV_PDL = "FTCHAT_PDL"  # 1 or 0; ftchat's own
 
+# `--prefetch auto` turns prefetch on only for expert rows of at least this size. The lookahead
+# (a router GEMV, softmax and top-C a layer) cost the demo model 10.6 us a layer on an H100 and
+# saves ~1.9 rows a layer there, so a row must take over ~5.6 us on the link to pay: ~270 KB
+# at 48 GB/s. Measured: the demo's 36 KB rows, off 2,304 against on 1,866 tok/s; flash-next's
+# 2.78 MB rows, on faster than off on every link (docs/routing.md). Between them, not measured.
+PREFETCH_MIN_ROW_BYTES = 256 << 10
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
 # auto: on when experts are offloaded on CUDA, else off; measure: predict and count only; on: copy
@@ -45,8 +51,9 @@ Kernels = Literal["fused", "torch"]  # fused: Triton decode kernels on CUDA; tor
 class Settings:
     """Everything a run is configured with; see `resolve_settings` for sources and checks."""
 
-    # auto: on where experts are offloaded on a GPU (measured faster than off on an H100 and an
-    # H200: docs/routing.md), else off (on the CPU nothing overlaps a copy)
+    # auto: on where experts are offloaded on a GPU and their rows are large enough to pay for
+    # the lookahead (PREFETCH_MIN_ROW_BYTES; measured faster than off on an H100 and an H200:
+    # docs/routing.md), else off (on the CPU nothing overlaps a copy)
     prefetch: Prefetch = "auto"
     # prefetches installed before a GDN / an attention layer; None (`--budget auto`): the rows
     # the link carries under one layer's compute, measured at run time (offload/budget.py)
@@ -131,12 +138,12 @@ class Settings:
             raise SettingsError("--graph: CUDA graphs need a CUDA device and this run is on the "
                                 "CPU; drop --graph (the CPU decodes eagerly)")
 
-    def prefetch_mode(self, on_cuda: bool) -> str:
+    def prefetch_mode(self, on_cuda: bool, row_bytes: int) -> str:
         """off, measure or on: `auto` is on where the experts are offloaded on CUDA (the caller
-        builds an offload backend), off on the CPU."""
+        builds an offload backend) and a row holds at least PREFETCH_MIN_ROW_BYTES, else off."""
         if self.prefetch != "auto":
             return self.prefetch
-        return "on" if on_cuda else "off"
+        return "on" if on_cuda and row_bytes >= PREFETCH_MIN_ROW_BYTES else "off"
 
     def use_graph(self) -> bool:
         """CUDA graphs on CUDA by default; the debug modes (verify, audit, routing record) read

@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from ftchat.codecs.rows import RowLayout
 from ftchat.errors import SettingsError
 from ftchat.offload import budget, cache
 from ftchat.offload.budget import (SETTLE_STEPS, SKIP_STEPS, TRIAL_STEPS, WINDOW_STEPS,
@@ -291,12 +292,20 @@ def test_settings_parse_auto():
         resolve_settings({"budget": "x"}, env={})
 
 
-def test_prefetch_auto_is_on_only_where_experts_are_offloaded_on_cuda():
+def test_prefetch_auto_is_on_only_where_large_experts_are_offloaded_on_cuda():
+    from ftchat.model.synth import model_args, row_layout
+    from ftchat.settings import PREFETCH_MIN_ROW_BYTES
+
+    flash = row_layout(model_args("flash-next", 2, "nvfp4-modelopt"), "nvfp4-modelopt").nbytes
+    demo = RowLayout("nvfp4", 256, 80).nbytes  # the shipped demo model's geometry
+    assert demo < PREFETCH_MIN_ROW_BYTES <= flash
     assert Settings().prefetch == "auto"
-    assert Settings().prefetch_mode(on_cuda=True) == "on"
-    assert Settings().prefetch_mode(on_cuda=False) == "off"
-    assert Settings(prefetch="off").prefetch_mode(on_cuda=True) == "off"
-    assert Settings(prefetch="measure").prefetch_mode(on_cuda=False) == "measure"
+    assert Settings().prefetch_mode(on_cuda=True, row_bytes=flash) == "on"
+    assert Settings().prefetch_mode(on_cuda=True, row_bytes=demo) == "off"
+    assert Settings().prefetch_mode(on_cuda=False, row_bytes=flash) == "off"
+    assert Settings(prefetch="on").prefetch_mode(on_cuda=True, row_bytes=demo) == "on"
+    assert Settings(prefetch="off").prefetch_mode(on_cuda=True, row_bytes=flash) == "off"
+    assert Settings(prefetch="measure").prefetch_mode(on_cuda=False, row_bytes=demo) == "measure"
 
 
 def test_a_fixed_layer_keeps_its_budget_beside_auto_layers(tiny_nvfp4):
