@@ -510,7 +510,8 @@ def test_score_eviction_evicts_the_expert_the_routers_rank_lowest():
         ensure(m, 0, t([[0, 1, 2, 3]]), policy)
         if policy.reads_scores:
             s = RouterScores(1, 8, 4, "cpu")
-            s.record(0, torch.tensor([[4.0, 3.0, -2.0, 2.0, 1.0, 0.0, 0.5, 0.2]]))
+            s.record(0, torch.tensor([[4.0, 3.0, -2.0, 2.0, 1.0, 0.0, 0.5, 0.2]]),
+                     t([[0, 1, 2, 3]]))
             s.observe(m)
             assert check_invariants(m) == []
         before = m.id_of[:4].tolist()
@@ -521,6 +522,26 @@ def test_score_eviction_evicts_the_expert_the_routers_rank_lowest():
     assert victim(RULE, 0) == 1  # control: rule evicts the oldest slot not used by this call
 
 
+def test_score_weighs_what_was_routed_beside_the_logits():
+    # expert 2 has the lowest logit of the four residents; routed, its ROUTED_BONUS lifts it
+    # above expert 3, which then goes first (control: not routed, expert 2 goes)
+    from ftchat.offload.policy import SCORE, SCORE_CLOCK0
+    from ftchat.offload.scores import RouterScores
+
+    def victim(routed):
+        m = SlotMaps.create(1, 8, 4, clock0=SCORE_CLOCK0)
+        ensure(m, 0, t([[0, 1, 2, 3]]), SCORE)
+        s = RouterScores(1, 8, 2, "cpu")
+        s.record(0, torch.tensor([[4.0, 3.0, -2.0, 1.0, 1.5, 0.0, 0.5, 0.2]]), t([routed]))
+        s.observe(m)
+        before = m.id_of[:4].tolist()
+        ensure(m, 0, t([[5]]), SCORE)
+        return before[int((m.id_of[:4] == 5).nonzero())]
+
+    assert victim([0, 2]) == 3
+    assert victim([0, 1]) == 2
+
+
 def test_score_keys_rank_below_every_stamp_of_the_step():
     # an expert used or installed during a step keeps its slot until the next step's scores
     from ftchat.offload.policy import SCORE, SCORE_CLOCK0
@@ -529,7 +550,7 @@ def test_score_keys_rank_below_every_stamp_of_the_step():
     m = SlotMaps.create(2, 8, 4, clock0=SCORE_CLOCK0)
     s = RouterScores(2, 8, 2, "cpu")
     ensure(m, 0, t([[0, 1]]), SCORE)
-    s.record(0, torch.tensor([[9.0, 8.0, 0, 0, 0, 0, 0, 0]]))
+    s.record(0, torch.tensor([[9.0, 8.0, 0, 0, 0, 0, 0, 0]]), t([[0, 1]]))
     s.observe(m)  # experts 0 and 1 now hold score keys, high as the routers rank them
     ensure(m, 1, t([[0, 1]]), SCORE)  # layer 1: stamped at the clock
     ensure(m, 1, t([[2, 3]]), SCORE)  # two more misses: the victims are layer 0's experts

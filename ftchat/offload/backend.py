@@ -260,7 +260,7 @@ class OffloadExperts:
             s.run("prefetch", lambda: self._copy(pplan, nxt, "prefetch"))
             self.prefetch_done[nxt] = s.record("prefetch")
         if self.scores is not None:  # read at the next step only: it runs under the copy
-            self._run_compute(lambda: self.scores.record(layer, self.scorer(layer, x)))
+            self._run_compute(lambda: self.scores.record(layer, self.scorer(layer, x), ids))
         if not cfg.overlap:
             s.wait("compute", demand_done)
         # NOTE: the side streams read these after Python is done with them; holding them until

@@ -97,7 +97,7 @@ def replay(steps: Iterable[RoutingStep], num_experts: int, cfg: ReplayConfig,
                 sc.prefetch_ensure(maps, layer + 1, cands[layer], cfg.budgets[layer + 1],
                                    plan.slots)
             if scores is not None:
-                scores.record(layer, torch.from_numpy(step.logits[layer])[None])
+                scores.record(layer, torch.from_numpy(step.logits[layer])[None], ids)
         if t == warmup - 1:
             base_useful = int(maps.stats.prefetch_useful.sum())
         if t >= warmup:
