@@ -33,11 +33,13 @@ ENV_PDL = "FTCHAT_PDL"  # 1 or 0; ftchat's own
 # (a router GEMV, softmax and top-C a layer) cost the demo model 10.6 us a layer on an H100 and
 # saves ~1.9 rows a layer there, so a row must take over ~5.6 us on the link to pay: ~270 KB
 # at 48 GB/s. Measured: the demo's 36 KB rows, off 2,304 against on 1,866 tok/s; flash-next's
-# 2.78 MB rows, on faster than off on every link (docs/routing.md). Between them, not measured.
+# 2.78 MB rows, on (--budget auto) faster than off on every link measured (docs/routing.md).
+# Between the two sizes, not measured.
 PREFETCH_MIN_ROW_BYTES = 256 << 10
 DEFAULT_COPY_PROGRAMS = 8  # measured on the H200: 8 programs reach cudaMemcpy bandwidth
 
-# auto: on when experts are offloaded on CUDA, else off; measure: predict and count only; on: copy
+# auto: on when experts of PREFETCH_MIN_ROW_BYTES or more are offloaded on CUDA, else off;
+# measure: predict and count only; on: copy
 Prefetch = Literal["auto", "off", "measure", "on"]
 Eviction = Literal["rule", "lru", "score"]  # see offload/policy.py
 VerifyMode = Literal["meta", "bytes"]

@@ -4,11 +4,11 @@ tokens (docs/design.md section 4).
 Each decode step records every layer's router logits, standardised over the experts, plus
 ROUTED_BONUS for the experts the layer routed to (the largest over the batch's rows). At the
 next step's first layer they are folded into averages at a few time constants (DECAYS, per
-token); each average is also graded on how high it ranked
-the experts this token's routers put first, and the best-graded average orders the resident
-slots (cache.rekey_by_score). A routing that drifts fast is followed by a short average, one
-that persists by a long one, without a setting. Every tensor here has a fixed address and
-every op runs on the compute stream without a host sync, so a CUDA graph replays it.
+token); each average is also graded on how high it ranked the experts this token's routers put
+first, and the best-graded average orders the resident slots (cache.rekey_by_score). A
+routing that drifts fast is followed by a short average, one that persists by a long one,
+without a setting. Every tensor here has a fixed address and every op runs on the compute
+stream without a host sync, so a CUDA graph replays it.
 Legend: D averages, L layers, E experts, B rows.
 """
 
