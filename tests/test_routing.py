@@ -35,7 +35,7 @@ def test_record_and_replay(tiny_bf16, tmp_path):
     res_file = tmp_path / "replay.json"
     subprocess.run([sys.executable, "benchmarks/replay_routing.py", "--source", f"trace:{trace}",
                     "--num-experts", str(a.num_experts), "--slots", "96", "--warmup", "0",
-                    "--evictions", "rule,lru", "--arms", "off", "--out", str(res_file)],
+                    "--evictions", "rule,lru,score", "--arms", "off", "--out", str(res_file)],
                    capture_output=True, text=True, check=True)
     res = json.loads(res_file.read_text())
     # every expert fits in 96 slots: only first touches miss, and the oracle can't do better
@@ -43,7 +43,8 @@ def test_record_and_replay(tiny_bf16, tmp_path):
     first = len({(layer, e) for x in lines for layer, ids in enumerate(x["routed"])
                  for e in ids}) / len(lines)
     assert res["belady"] == first
-    assert [r["misses"] for r in res["rows"]] == [first, first]
+    assert [r["eviction"] for r in res["rows"]] == ["rule", "lru", "score"]  # logits: score too
+    assert [r["misses"] for r in res["rows"]] == [first, first, first]
 
 
 def test_recorded_logits_rank_the_routed_experts_first(tiny_bf16, tmp_path):
