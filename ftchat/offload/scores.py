@@ -24,8 +24,8 @@ DECAYS = (0.5, 0.7, 0.85, 0.95)  # per token: time constants of ~1.4 to ~20 toke
 # Added to a routed expert's standardised logit: the averages then weigh what was routed, not
 # only what the router leaned to. Replayed (docs/routing.md 3), logits alone missed up to 18 %
 # more than rule on the demo model's trained routing; with the routed part (2.0; 0.5 to 4 tried)
-# 2-4 % fewer on its long capture, and within 1 % of logits alone on the calibrated routing,
-# whose logits are a persistent part plus noise.
+# 2-4 % fewer on its long capture, and at most 1.2 % more than logits alone on the calibrated
+# routing, whose logits are a persistent part plus noise.
 ROUTED_BONUS = 2.0
 GRADE_DECAY = 0.999  # the grades' memory, in tokens
 
