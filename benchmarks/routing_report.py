@@ -176,16 +176,13 @@ class Trace:
     def write_jsonl(self, path: Path) -> None:
         """The tokens as a `--record-routing` file, one line a token (what
         benchmarks/replay_routing.py --source trace:FILE replays, eviction score included)."""
-        from ftchat.routing.trace import encode_logits
+        from ftchat.routing.trace import trace_line
 
         tmp = path.with_name(path.name + ".tmp")
         with open(tmp, "w") as f:
             for t in range(self.routed.shape[0]):
-                line = {"step": t + 1, "routed": self.routed[t].tolist(),
-                        "candidates": self.cands[t].tolist()}
-                if self.logits is not None:
-                    line["logits_f16"] = encode_logits(self.logits[t].numpy())
-                f.write(json.dumps(line) + "\n")
+                f.write(trace_line(t + 1, self.routed[t].tolist(), self.cands[t].tolist(),
+                                   None if self.logits is None else self.logits[t].numpy()))
         tmp.replace(path)
 
     @property

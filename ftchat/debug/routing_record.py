@@ -13,14 +13,13 @@ The file is written under a temporary name beside FILE and renamed to FILE when 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
 from ftchat.offload.hooks import BackendView, Hooks
 from ftchat.output_file import OutputFile
-from ftchat.routing.trace import encode_logits
+from ftchat.routing.trace import trace_line
 
 
 class RoutingRecorder(Hooks):
@@ -40,10 +39,8 @@ class RoutingRecorder(Hooks):
             self.cands.append(v.candidates(p.layer + 1).tolist())
 
     def end_step(self, v: BackendView) -> None:
-        self.file.write(json.dumps({"step": v.step, "routed": self.routed,
-                                    "candidates": self.cands,
-                                    "logits_f16": encode_logits(torch.stack(self.logits).numpy())})
-                        + "\n")
+        self.file.write(trace_line(v.step, self.routed, self.cands,
+                                   torch.stack(self.logits).numpy()))
         self.routed, self.cands, self.logits = [], [], []
 
     def close(self) -> None:

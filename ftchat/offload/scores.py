@@ -46,6 +46,7 @@ class RouterScores:
         self.grade = torch.zeros(d, device=device)  # [D] how well each average predicted
         self.logits = torch.zeros(num_layers, num_experts, device=device)  # [L, E] this token's
         self.fresh = torch.zeros(1, dtype=torch.bool, device=device)  # logits recorded since
+        self.bonus = torch.full((1, top_k), ROUTED_BONUS, device=device)  # [1, K] a constant
 
     def reset(self) -> None:
         for t in (self.avg, self.grade, self.logits, self.fresh):
@@ -53,11 +54,11 @@ class RouterScores:
 
     def record(self, layer: int, logits: Tensor, ids: Tensor) -> None:
         """logits [B, E] and routed ids [B, K] of `layer` at this step (a step records from
-        layer 0 on). Five kernels a layer: layer_norm standardises (its biased deviation differs
+        layer 0 on). Four kernels a layer: layer_norm standardises (its biased deviation differs
         from standardise's by one factor for every layer and expert, which the ranking does not
         see), the routed experts get ROUTED_BONUS, the rows' largest is kept."""
         z = F.layer_norm(logits.float(), logits.shape[-1:], eps=1e-12)  # [B, E]
-        z.scatter_add_(1, ids, torch.full(ids.shape, ROUTED_BONUS, device=z.device))
+        z.scatter_add_(1, ids, self.bonus.expand_as(ids))
         torch.amax(z, 0, out=self.logits[layer])
         if layer == 0:
             self.fresh.fill_(True)

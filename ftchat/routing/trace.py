@@ -65,6 +65,15 @@ def _step(rec: dict, path, n: int) -> RoutingStep:
                        candidates=cands, logits=logits)
 
 
+def trace_line(step: int, routed: list, candidates: list, logits: np.ndarray | None) -> str:
+    """One line of a trace file: routed [L][K] and candidates [L-1][C] ids, logits [L, E] (or
+    None: a line without them), newline included."""
+    line = {"step": step, "routed": routed, "candidates": candidates}
+    if logits is not None:
+        line["logits_f16"] = encode_logits(logits)
+    return json.dumps(line) + "\n"
+
+
 def encode_logits(logits: np.ndarray) -> str:
     """[L, E] router logits -> base64 of the little-endian float16 array (a line's logits_f16)."""
     return base64.b64encode(np.ascontiguousarray(logits, dtype="<f2").tobytes()).decode("ascii")
