@@ -40,6 +40,8 @@ from ftchat.errors import FtchatError
 from ftchat.model.expert_backend import ForwardingBackend, Pending
 from ftchat.offload import cache as sc
 from ftchat.offload.policy import EMPTY_BASE, POLICIES, EvictionPolicy
+from ftchat.output_file import OutputFile, check_target
+from ftchat.routing.trace import trace_line
 
 # Quoted figures (issue 7), not computed here: (model, figure, value, fraction of experts cached).
 PUBLISHED = [
@@ -176,14 +178,15 @@ class Trace:
     def write_jsonl(self, path: Path) -> None:
         """The tokens as a `--record-routing` file, one line a token (what
         benchmarks/replay_routing.py --source trace:FILE replays, eviction score included)."""
-        from ftchat.routing.trace import trace_line
-
-        tmp = path.with_name(path.name + ".tmp")
-        with open(tmp, "w") as f:
+        out = OutputFile(path, "--trace-out", force=True)  # renamed into place when complete
+        try:
             for t in range(self.routed.shape[0]):
-                f.write(trace_line(t + 1, self.routed[t].tolist(), self.cands[t].tolist(),
-                                   None if self.logits is None else self.logits[t].numpy()))
-        tmp.replace(path)
+                out.write(trace_line(t + 1, self.routed[t].tolist(), self.cands[t].tolist(),
+                                     None if self.logits is None else self.logits[t].numpy()))
+        except BaseException:
+            out.discard()
+            raise
+        out.commit()
 
     @property
     def top_k(self) -> int:
@@ -658,6 +661,8 @@ def run(a: argparse.Namespace) -> dict:
     from ftchat.model.tokenizer import Tokenizer
 
     t0 = time.perf_counter()
+    if a.trace_out:  # before the capture: a bad path fails in a second, not after minutes
+        check_target(a.trace_out, "--trace-out", force=True)
     sources = text_sources(a.text, a.python_packages, a.source)
     m = load_model(a.model, "cpu", torch.float32)
     docs, used = documents(Tokenizer.from_folder(a.model).encode, sources, a.seq, a.tokens)

@@ -276,3 +276,17 @@ def test_cli_bad_model_path_is_one_line(tmp_path):
     assert res.returncode != 0
     assert res.stderr.startswith("error: ") and res.stderr.count("\n") == 1
     assert "Traceback" not in res.stderr and res.stdout == ""
+
+
+def test_cli_trace_out_in_a_missing_folder_fails_before_loading(tmp_path):
+    # the model path is bad too: the --trace-out error comes first, so the path is checked
+    # before the model loads (control: without --trace-out, the model's error)
+    text = tmp_path / "t.txt"
+    text.write_text("hello world")
+    base = [sys.executable, str(SCRIPT), str(tmp_path / "nope"), "--text", str(text)]
+    res = subprocess.run(base + ["--trace-out", str(tmp_path / "no" / "t.jsonl")],
+                         capture_output=True, text=True, cwd=ROOT, env=ONE_THREAD)
+    assert res.returncode == 1 and res.stderr.count("\n") == 1
+    assert res.stderr.startswith("error: --trace-out") and "does not exist" in res.stderr
+    res = subprocess.run(base, capture_output=True, text=True, cwd=ROOT, env=ONE_THREAD)
+    assert res.returncode == 1 and "--trace-out" not in res.stderr
