@@ -498,6 +498,65 @@ def test_tokenizer_ids_beyond_the_vocabulary(tiny_bf16, tmp_path, capsys, monkey
     clean_error(code, err, str(path), "ids go up to 512", "vocab_size) has 512")
 
 
+@pytest.mark.parametrize("index", [[], {"weight_map": "model.safetensors"}, "weight_map=5"])
+def test_an_index_of_the_wrong_shape(tiny_bf16, tmp_path, capsys, monkeypatch, index):
+    model = copy_model(tiny_bf16, tmp_path / "ck")
+    path = model / "model.safetensors.index.json"
+    good = json.loads(path.read_text())
+    if index == "weight_map=5":  # every file name a number
+        index = {"weight_map": {name: 5 for name in good["weight_map"]}}
+    path.write_text(json.dumps(index))
+    for argv in (["run", model, "-p", "hi", "-n", "2"], ["info", model]):
+        code, out, err = _main(argv, capsys, monkeypatch)  # before: internal error (TypeError)
+        clean_error(code, err, str(path), "weight_map")
+    path.write_text(json.dumps(good))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    assert code == 0, err  # control: the same folder with its index back
+
+
+@pytest.mark.parametrize("where, qc", [("config.json", "nvfp4"), ("config.json", [1]),
+                                       ("hf_quant_config.json", []),
+                                       ("hf_quant_config.json", {"quantization": 5})])
+def test_a_quantization_config_that_is_not_an_object(tiny_nvfp4, tmp_path, capsys, monkeypatch,
+                                                     where, qc):
+    model = copy_model(tiny_nvfp4, tmp_path / "ck")
+    cfg = json.loads((model / "config.json").read_text())
+    modelopt = cfg.pop("quantization_config")
+    if where == "config.json":
+        cfg["quantization_config"] = qc
+    else:
+        (model / where).write_text(json.dumps(qc))
+    (model / "config.json").write_text(json.dumps(cfg))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    clean_error(code, err, str(model / where))  # before: internal error (AttributeError)
+    # control: hf_quant_config.json in its real form ({"quantization": the ModelOpt fields})
+    (model / "hf_quant_config.json").write_text(json.dumps({"quantization": {
+        k: v for k, v in modelopt.items() if k != "quant_method"}}))
+    cfg.pop("quantization_config", None)
+    (model / "config.json").write_text(json.dumps(cfg))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("template, named", [
+    ("{% for i in range(10**9) %}x{% endfor %}", "OverflowError"),  # past the sandbox's range
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ 1 + 'a' }}", "TypeError"),
+    ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "RecursionError"),
+])
+def test_a_chat_template_that_fails_in_python(tiny_bf16, tmp_path, capsys, monkeypatch,
+                                              template, named):
+    model = copy_model(tiny_bf16, tmp_path / "ck")
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    assert code == 0, err  # control: the model's own template
+    cfg_file = model / "tokenizer_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["chat_template"] = template
+    cfg_file.write_text(json.dumps(cfg))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    clean_error(code, err, "chat template failed", named)  # before: internal error
+
+
 def test_a_non_finite_logit_stops_the_decode(tiny_bf16, tmp_path, capsys, monkeypatch):
     """Finite weights whose product overflows: the load check passes, the decode must not."""
 

@@ -170,7 +170,12 @@ def test_unsupported_quantization(tiny_bf16, tmp_path):
     cfg = json.loads((m / "config.json").read_text())
     for qc, error in (({"quant_method": "awq", "bits": 4}, "unsupported quant_method 'awq'"),
                       # block-FP8 is read (tests/test_qwen3_fp8.py); per-tensor FP8 is not
-                      ({"quant_method": "fp8"}, "unsupported FP8 quantization")):
+                      ({"quant_method": "fp8"}, "unsupported FP8 quantization"),
+                      # config_groups of another shape: before, an AttributeError
+                      ({"quant_method": "compressed-tensors", "config_groups": [1]},
+                       "unsupported compressed-tensors quantization"),
+                      ({"quant_method": "compressed-tensors", "config_groups": {"g": 5}},
+                       "unsupported compressed-tensors quantization")):
         cfg["quantization_config"] = qc
         (m / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(ModelError, match=error):

@@ -242,10 +242,12 @@ def quant_config_dict(dialect: str, ignore: list[str]) -> dict:
 def _ct_groups_ok(qc: dict) -> bool:
     fmt = qc.get("format")
     groups = qc.get("config_groups") or {}
-    if not groups:
+    if not groups or not isinstance(groups, dict):
         return False
     for grp in groups.values():
-        w = grp.get("weights") or {}
+        w = grp.get("weights") if isinstance(grp, dict) else None
+        if not isinstance(w, dict):  # a config of another shape: not one this reads
+            return False
         if grp.get("format", fmt) != "nvfp4-pack-quantized":
             return False
         if (w.get("num_bits"), w.get("type"), w.get("group_size")) != (4, "float", GROUP):

@@ -23,7 +23,7 @@ from ftchat.codecs.fp8 import FP8, dequantize_blocks
 from ftchat.codecs.rows import RowLayout
 from ftchat.errors import ModelError
 from ftchat.kernels import ple_gather
-from ftchat.model.config import read_config_json
+from ftchat.model.config import json_kind, read_config_json
 from ftchat.model.ngram_table import HostTable, NGramTable, load_host_table
 from ftchat.model.registry import family_for_config
 
@@ -71,9 +71,14 @@ class Checkpoint:
         idx = self.folder / INDEX
         if idx.is_file():
             try:
-                weight_map = json.loads(idx.read_text())["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
+                data = json.loads(idx.read_text())
+            except (OSError, ValueError) as e:
                 raise ModelError(f"{idx}: unreadable index ({e})") from None
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(f, str) and f for f in weight_map.values()):
+                raise ModelError(f"{idx}: unreadable index (expected \"weight_map\": an object "
+                                 "giving each tensor's file name)")
             files = {name: self.folder / f for name, f in weight_map.items()}
             for name, f in files.items():
                 if not f.is_file():
@@ -123,14 +128,22 @@ class Checkpoint:
 
     # ===== format =====
     def _detect_format(self) -> str:
-        qc = self.hf_config.get("quantization_config") or self.hf_config.get(
-            "text_config", {}).get("quantization_config")
+        text = self.hf_config.get("text_config")
+        qc = self.hf_config.get("quantization_config") or (
+            text.get("quantization_config") if isinstance(text, dict) else None)
+        if qc is not None and not isinstance(qc, dict):
+            raise ModelError(f"{self.folder / 'config.json'}: \"quantization_config\" must be a "
+                             f"JSON object, got {json_kind(qc)}")
         hf_quant = self.folder / "hf_quant_config.json"
         if qc is None and hf_quant.is_file():
             try:
-                q = json.loads(hf_quant.read_text()).get("quantization", {})
+                q = json.loads(hf_quant.read_text())
             except (OSError, ValueError) as e:
                 raise ModelError(f"{hf_quant}: unreadable ({e})") from None
+            q = q.get("quantization", {}) if isinstance(q, dict) else q
+            if not isinstance(q, dict):
+                raise ModelError(f"{hf_quant}: expected {{\"quantization\": {{...}}}}, got "
+                                 f"{json_kind(q)}")
             qc = {"quant_method": "modelopt", **q}
         if qc and str(qc.get("quant_method", "")).lower() == "fp8":
             return self._fp8_blocks(qc)

@@ -286,6 +286,10 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise ModelError(f"chat template failed: {exc}") from exc
+        except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError,
+                MemoryError) as exc:
+            # the template's own Python fails (a range past the sandbox's bound, 1/0, "a" + 1)
+            raise ModelError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 def check_unicode(text: str, what: str) -> None:
@@ -333,7 +337,8 @@ def _compile_template(folder: Path, config: dict) -> tuple[jinja2.Template, str]
     else:
         source, origin = config.get("chat_template"), folder / "tokenizer_config.json"
     if isinstance(source, list):  # named templates: [{"name": ..., "template": ...}]
-        source = next((t["template"] for t in source if t.get("name") == "default"), None)
+        source = next((t.get("template") for t in source
+                       if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str):
         raise ModelError(f"{origin} has no chat_template")
     if not source.strip():
