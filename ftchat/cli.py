@@ -219,6 +219,7 @@ def synth(
              "(needs an NVFP4 --format)")] = "bf16",
 ) -> None:
     """Write a synthetic checkpoint (random weights) in the real model's HF layout."""
+    seed = resolve_one("seed", seed, os.environ)  # as run --seed: torch's generator takes no more
     from ftchat.model.synth import write_checkpoint
     from ftchat.ui.progress import progress_bar
 

@@ -171,7 +171,7 @@ def context_tokens(text: str) -> int:
     t = text.strip().lower()
     try:
         n = int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: infk, 1e400k
         n = 0
     if n < 1:
         raise SettingsError(f"--context {text!r}: expected a token count like 4096 or 255k")

@@ -745,6 +745,27 @@ def test_verify_tokens_beyond_the_models_positions(tiny_bf16, capsys, monkeypatc
     clean_error(code, err, "--max-new-tokens 100000", "4096 positions", status=2)
 
 
+def _memory_cap(gib: int):
+    """A child's address space capped at `gib` GiB: a runaway allocation is a MemoryError in it,
+    not the machine's OOM killer."""
+    import resource
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (gib << 30, gib << 30))
+    return cap
+
+
+def test_verify_prompts_beyond_memory(tiny_bf16):
+    # before: every prompt made and encoded up front: a MemoryError (internal error) here, the
+    # OOM killer without the cap
+    p = run([*CLI, "verify", str(tiny_bf16), "--prompts", "99999999999", "-n", "2"], child_env(),
+            preexec_fn=_memory_cap(8))
+    clean_error(p.returncode, p.stderr, "--prompts 99999999999", "at most 100,000", status=2)
+    p = run([*CLI, "verify", str(tiny_bf16), "--prompts", "1", "-n", "2"], child_env(),
+            preexec_fn=_memory_cap(8))
+    assert p.returncode == 0, p.stderr  # control: the cap leaves room for a real run
+
+
 def test_verify_ends_with_one_verdict_line(tiny_bf16, capsys, monkeypatch):
     code, out, err = _main(["verify", tiny_bf16, "--prompts", "1", "-n", "4"], capsys,
                            monkeypatch)

@@ -137,7 +137,7 @@ def test_bench_context_refuses_bad_steps_and_contexts_as_usage_errors(tiny_bf16)
     m = load_model(tiny_bf16)
     base = Settings(device="cpu")
     arms = parse_arms("off", base)
-    with pytest.raises(UsageError, match="--steps and --rounds must be >= 1"):
+    with pytest.raises(UsageError, match="--steps 0: expected a positive integer"):
         bench_context(m, arms, 16, base, steps=0, rounds=1)
     with pytest.raises(UsageError, match=r"--context 4096 \+ 4 bench tokens \(warm-up and rounds\) "
                                          "exceeds the model's "

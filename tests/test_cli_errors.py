@@ -246,9 +246,18 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("argv, expected, status", [
     (["serve", "MODEL", "--port", "0"], "--port 0: expected 1 to 65535", 2),
-    (["serve", "MODEL", "--parallel", "0"], "--parallel 0: expected 1 or more", 2),
+    (["serve", "MODEL", "--parallel", "0"], "--parallel 0: expected 1 to 4,096", 2),
+    # before: the model loaded, then "32 expert slots are fewer than ..." (exit 1)
+    (["serve", "MODEL", "--parallel", "99999999"], "--parallel 99999999: expected 1 to 4,096", 2),
     (["serve", "MODEL", "--queue", "-1"], "--queue -1: expected 0 or more", 2),
-    (["serve", "MODEL", "--cache-ram", "-1"], "--cache-ram -1.0: expected 0 or more GiB", 2),
+    (["serve", "MODEL", "--cache-ram", "-1"], "--cache-ram -1.0: expected 0 to 1,048,576 GiB", 2),
+    (["serve", "MODEL", "--cache-ram", "1e300"], "--cache-ram 1e+300: expected 0 to", 2),  # was
+    (["info", "MODEL", "--vram", "1e300"], "--vram 1e+300: expected a positive number", 2),  # an
+    (["info", "MODEL", "--context", "infk"], "--context 'infk': expected a token count", 2),  # int.
+    (["bench", "MODEL", "--context", "1e400k"], "--context '1e400k': expected a token", 2),  # err
+    (["info", "MODEL", "--context", ""], "--context '': expected a token count", 2),  # was exit 0
+    (["bench", "MODEL", "--prefetch", ""], "--prefetch '': expected a comma-separated list", 2),
+    (["bench", "MODEL", "--budget", ""], "--budget '': expected a comma-separated list", 2),
     (["serve", "EMPTY", "--port", "8080"], "EMPTY", 1),  # control: a model error stays 1
     (["info", "MODEL", "--synthetic", "tiny"], "give MODEL or --synthetic, not both", 2),
     (["info", "MODEL", "--layers", "4"], "--layers and --dense need --synthetic", 2),
@@ -256,10 +265,12 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
     (["info", "MODEL", "--context", "lots"], "--context 'lots': expected a token count", 2),
     (["info", "EMPTY", "--context", "64"], "EMPTY", 1),  # control
     (["verify", "MODEL", "--mode", "sloppy"], "--mode 'sloppy': expected meta or bytes", 2),
-    (["verify", "MODEL", "--prompts", "0"], "--prompts, --max-new-tokens", 2),
+    (["verify", "MODEL", "--prompts", "0"], "--prompts 0: expected a positive integer", 2),
+    (["verify", "MODEL", "--audit-every", "-1"], "--audit-every -1: expected a positive", 2),
     (["audit", "MODEL", "-p", "hi", "--every", "2", "--audit-every", "3"],
      "--audit-every and its old name --every give different values", 2),
-    (["bench", "MODEL", "--steps", "0"], "--steps and --rounds must be >= 1", 2),
+    (["bench", "MODEL", "--steps", "0"], "--steps 0: expected a positive integer", 2),
+    (["bench", "MODEL", "--rounds", "-1"], "--rounds -1: expected a positive integer", 2),
     (["bench", "MODEL", "--routing", "nowhere"], "--routing 'nowhere': expected model", 2),
     (["bench", "MODEL", "--routing", "calibrated:nope"], "--routing 'calibrated:nope': no fit", 2),
     (["bench", "MODEL", "--context", "5000", "--steps", "1", "--rounds", "1"],
@@ -280,6 +291,8 @@ def test_synth_files_all_have_the_same_mode(tmp_path, capsys, monkeypatch):
     (["synth", "OUT", "--format", "fp3"], "unknown format 'fp3'", 2),
     (["synth", "OUT", "--format", "bf16", "--dense", "nvfp4"],
      "NVFP4 dense projections need an NVFP4 format", 2),
+    (["synth", "OUT", "--seed", "18446744073709551616"],  # before: an internal error
+     "--seed 18446744073709551616: expected an integer from 0 to 2**63 - 1", 2),
     (["synth", "EMPTY/file", "--preset", "tiny"], "EMPTY/file", 1),  # control: a path error
 ])
 def test_flag_errors_past_the_parser_are_usage_errors(argv, expected, status, tiny_bf16, tmp_path,

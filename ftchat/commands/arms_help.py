@@ -84,12 +84,13 @@ def _item(name: str, what: str) -> list[str]:
 def arms_of_choices(prefetch: str | None, budget: str | None) -> str:
     """The --arms string that --prefetch LIST and --budget LIST stand for: one arm per prefetch
     mode, and for each of measure and on one arm per budget (default off,on and auto,1)."""
-    modes = list_items(prefetch or "off,on", "--prefetch", "off,on")
+    # an empty value given is refused as a list, not taken for the default
+    modes = list_items("off,on" if prefetch is None else prefetch, "--prefetch", "off,on")
     bad = [m for m in modes if m not in HEADS]
     if bad:
         raise UsageError(f"--prefetch {bad[0]!r}: expected a list of {', '.join(HEADS)} "
                           "(e.g. off,on)")
-    budgets = list_items(budget or "auto,1", "--budget", "1,4")
+    budgets = list_items("auto,1" if budget is None else budget, "--budget", "1,4")
     for b in budgets:
         if not (b.isdigit() or b == "auto"):
             raise UsageError(f"--budget {b!r}: expected non-negative integers or auto "

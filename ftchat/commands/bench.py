@@ -196,8 +196,9 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
                   routing: RoutingSource = MODEL_ROUTING) -> dict:
     """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures.
     `progress(done, total)` after each round (the warm-up round included)."""
-    if steps < 1 or rounds < 1:
-        raise UsageError("--steps and --rounds must be >= 1")
+    for flag, n in (("--steps", steps), ("--rounds", rounds)):
+        if n < 1:
+            raise UsageError(f"{flag} {n}: expected a positive integer")
     warm = warm_up_steps(arms, steps)
     tokens = bench_tokens(arms, steps, rounds)
     max_len = ctx + tokens + 2

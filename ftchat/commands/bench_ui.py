@@ -56,8 +56,9 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
               contexts: str | None, steps: int, rounds: int, as_json: bool, out: TextIO,
               err: TextIO, synthetic: Synthetic | None = None, routing: str = "model") -> int:
     """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
-    if steps < 1 or rounds < 1:
-        raise UsageError("--steps and --rounds must be >= 1")
+    for flag, n in (("--steps", steps), ("--rounds", rounds)):
+        if n < 1:
+            raise UsageError(f"{flag} {n}: expected a positive integer")
     source = RoutingSource.parse(routing)  # usage errors before the model loads
     settings.check_graph()
     arm_specs = parse_arms(arms, settings)  # usage errors before the model loads

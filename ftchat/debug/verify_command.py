@@ -54,6 +54,7 @@ from ftchat.vram.workloads import given_slots, verify_workload
 
 GRAPH_DEVICES = ("cuda",)  # where DecodeGraph can capture a step: CUDA graphs have no CPU twin
 AUTO_BATCH_CAP = 16  # the most prompts a group takes when --batch is not given
+MAX_PROMPTS = 100_000  # --prompts: days of decoding already, and all held in memory
 
 QUESTIONS = (
     "Write a Python function that merges two sorted lists.",
@@ -318,8 +319,13 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
     BatchTooLarge, before the weights load where --slots or --expert-vram gives the count."""
     if mode not in ("meta", "bytes"):
         raise UsageError(f"--mode {mode!r}: expected meta or bytes")
-    if prompts < 1 or max_new < 1 or audit_every < 1 or (batch is not None and batch < 1):
-        raise UsageError("--prompts, --max-new-tokens, --audit-every and --batch must be >= 1")
+    for flag, n in (("--prompts", prompts), ("--max-new-tokens", max_new),
+                    ("--audit-every", audit_every), ("--batch", batch)):
+        if n is not None and n < 1:
+            raise UsageError(f"{flag} {n}: expected a positive integer")
+    if prompts > MAX_PROMPTS:  # they are made and encoded up front: memory
+        raise UsageError(f"--prompts {prompts}: expected at most {MAX_PROMPTS:,}; split a longer "
+                         "run over calls with --prompt-seed")
     arms = 4 if settings.graph is True else 2  # verify --graph keeps two more backends
 
     def workload(a, layout):

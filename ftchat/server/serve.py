@@ -27,7 +27,7 @@ from ftchat.server.app import ServerConfig, create_app
 from ftchat.server.metrics import Metrics
 from ftchat.server.status import StatusLine
 from ftchat.server.worker import EngineWorker
-from ftchat.settings import Settings
+from ftchat.settings import MAX_BATCH, MAX_GIB, Settings
 from ftchat.ui.panel import isatty
 
 
@@ -95,14 +95,14 @@ def listen(host: str, port: int) -> socket.socket:
 
 def serve(model: str | None, settings: Settings, options: ServeOptions,
           env: Mapping[str, str], stderr: TextIO) -> int:
-    if options.parallel < 1:
-        raise UsageError(f"--parallel {options.parallel}: expected 1 or more")
+    if not 1 <= options.parallel <= MAX_BATCH:  # as run --batch-size: before the model loads
+        raise UsageError(f"--parallel {options.parallel}: expected 1 to {MAX_BATCH:,}")
     if options.queue < 0:
         raise UsageError(f"--queue {options.queue}: expected 0 or more")
     if not 0 < options.port < 65536:
         raise UsageError(f"--port {options.port}: expected 1 to 65535")
-    if not 0 <= options.cache_ram_gib < float("inf"):  # NaN fails this too
-        raise UsageError(f"--cache-ram {options.cache_ram_gib}: expected 0 or more GiB")
+    if not 0 <= options.cache_ram_gib <= MAX_GIB:  # NaN fails this too; past it, bytes overflow
+        raise UsageError(f"--cache-ram {options.cache_ram_gib}: expected 0 to {MAX_GIB:,} GiB")
     key = options.api_key
     if key is not None and (not key or key != key.strip()):  # the header's token is stripped:
         # such a key would refuse every client

@@ -21,7 +21,7 @@ from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
 from ftchat.model.registry import family_of
 from ftchat.resolve import resolve_model
-from ftchat.settings import MAX_BATCH, context_tokens
+from ftchat.settings import MAX_BATCH, MAX_GIB, context_tokens
 from ftchat.sizes import PREFILL_CHUNK
 from ftchat.vram import search
 from ftchat.vram.items import GIB, Workload
@@ -121,8 +121,9 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
     """`ftchat info`: the report, and the VRAM plan when a plan option is given (kv_given:
     --kv-cache-dtype was; kv_cache_dtype: the resolved setting, auto or fp8)."""
     for gib in vram or []:
-        if not 0 < gib < float("inf"):  # nan and inf too
-            raise UsageError(f"--vram {gib}: expected a positive number of GiB")
+        if not 0 < gib <= MAX_GIB:  # nan and inf too; past it, the bytes overflow
+            raise UsageError(f"--vram {gib}: expected a positive number of GiB, at most "
+                             f"{MAX_GIB:,}")
     for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
         if n is not None and n < 1:
             raise UsageError(f"{flag} {n}: expected a positive integer")
@@ -134,7 +135,8 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
         raise UsageError("--layers and --dense need --synthetic")
     planned = kv_given or synthetic is not None or any(x is not None for x in (
         context, batch, slots, prefill))
-    L = context_tokens(context) if context else None  # a bad value before any output
+    # a bad value ("" too) before any output
+    L = context_tokens(context) if context is not None else None
     if synthetic is not None:
         a, layout = synthetic_inputs(synthetic, layers, fmt, dense)
         lines = synthetic_lines(a, layout, synthetic, fmt)
