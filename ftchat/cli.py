@@ -31,7 +31,8 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
 from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.cli_options import ServePanel, ServeQuiet
-from ftchat.commands.user_files import new_folder_parents, read_prompt_file, remove_empty
+from ftchat.commands.user_files import (new_folder_parents, read_prompt_file, read_prompt_lines,
+                                        remove_empty)
 from ftchat.errors import (FtchatError, StdoutError, Terminated, UsageError,
                            out_of_memory_message)
 from ftchat.process_io import signal_name, standard_streams, stop_signals
@@ -378,7 +379,7 @@ def audit_cmd(
     apply_threads(settings)
     texts = [*(prompt or []), *([] if file is None else [read_prompt_file(file)])]
     if not texts and not sys.stdin.isatty():
-        texts = [ln.strip() for ln in sys.stdin.read().splitlines() if ln.strip()]
+        texts = read_prompt_lines(sys.stdin)
     raise typer.Exit(run_audit(model, settings, os.environ, prompts=texts, every=n,
                                max_new=max_new_tokens, as_json=json, out=sys.stdout,
                                err=sys.stderr))

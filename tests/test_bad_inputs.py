@@ -336,6 +336,26 @@ def test_invalid_utf8_on_stdin_is_that_lines_error(tiny_bf16, capsys, monkeypatc
     assert "error" in records[0] and records[1]["index"] == 1 and "tokens" in records[1]
 
 
+def test_audit_stdin_not_utf8_names_its_line(tiny_bf16, capsys, monkeypatch):
+    code, out, err = _main(["audit", tiny_bf16, "-n", "2"], capsys, monkeypatch,
+                           b"hi\ncaf\xe9\n")
+    # before: "the text is not valid Unicode: ... at character 18" (of the rendered template)
+    clean_error(code, err, "stdin line 2 is not UTF-8 text", "0xe9")
+    code, out, err = _main(["audit", tiny_bf16, "-n", "2", "--json"], capsys, monkeypatch,
+                           "hi\ncaf\u00e9\n".encode())
+    assert code == 0 and json.loads(out)["prompts"] == 2, err  # control: the same in UTF-8
+
+
+def test_audit_endless_stdin_without_a_line_break(tiny_bf16):
+    with open("/dev/zero", "rb") as zero:  # before: read whole into memory, a MemoryError here
+        p = run([*CLI, "audit", str(tiny_bf16), "-n", "2"], child_env(), stdin=zero,
+                preexec_fn=_memory_cap(8))
+    clean_error(p.returncode, p.stderr, "stdin line 1 is longer than 256 MiB")
+    p = run([*CLI, "audit", str(tiny_bf16), "-n", "2"], child_env(), input="hi\n",
+            preexec_fn=_memory_cap(8))
+    assert p.returncode == 0, p.stderr  # control
+
+
 def test_a_lone_surrogate_in_a_json_prompt(tiny_bf16, capsys, monkeypatch):
     stdin = '{"prompt": "a\\ud800b"}\n{"prompt": "x", "stop": ["\\udfff"]}\nhello\n'
     code, out, err = _main(["run", tiny_bf16, "-n", "2", "--json"], capsys, monkeypatch, stdin)

@@ -78,8 +78,9 @@ def test_prompt_file_errors(tmp_path, capsys, monkeypatch):
     one_error(*_main(["run", "-f", tmp_path / "p.txt", "-p", "hi"], capsys, monkeypatch),
               "give --prompt or --file, not both", status=2)
     (tmp_path / "blank.txt").write_text("\n\n")
+    # the file named, not "--prompt ''" (the flag the user did not give)
     one_error(*_main(["run", "-f", tmp_path / "blank.txt"], capsys, monkeypatch),
-              "expected a prompt with some text in it", status=2)
+              f"--file {tmp_path / 'blank.txt'}: the file has no text", status=2)
 
 
 def test_threads_sets_torch_threads(tiny_nvfp4, capsys, monkeypatch):
