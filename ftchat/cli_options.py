@@ -164,8 +164,8 @@ Candidates = Annotated[int | None, typer.Option(
     metavar="K", rich_help_panel=OFFLOAD,
     help=f"Router-lookahead candidates (env FREETOKEN_MOE_PREFETCH_K; default {_D.candidates})")]
 Eviction = Annotated[str | None, typer.Option(
-    metavar="rule|lru|score", rich_help_panel=OFFLOAD,
-    help="Slot eviction (default rule; score: by the routers' averaged logits)")]
+    metavar="MODE", rich_help_panel=OFFLOAD,  # a short metavar: the panel's env names fit 80
+    help="Slot eviction: rule (default), lru, or score (by the routers' averaged logits)")]
 Overlap = Annotated[bool | None, typer.Option(
     "--overlap/--no-overlap", metavar="", rich_help_panel=OFFLOAD,
     help="Shared expert overlaps the demand copy (default on)")]

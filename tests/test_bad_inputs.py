@@ -658,12 +658,17 @@ def test_the_banner_wraps_at_the_terminals_width(columns):
 # ===== help =====
 
 
-@pytest.mark.parametrize("command", ["", "run", "synth", "info", "verify", "audit", "bench"])
+@pytest.mark.parametrize("command", ["", "run", "serve", "synth", "info", "verify", "audit",
+                                     "bench"])
 def test_help_fits_80_columns(command):
     p = run([*CLI, *([command] if command else []), "--help"], child_env(COLUMNS="80"))
     assert p.returncode == 0 and p.stderr == "", p.stderr
     lines = p.stdout.splitlines()
     assert len(lines) > 5 and max(len(ln) for ln in lines) <= 80
+    # a word wider than its column is cut with an ellipsis (was: FREETOKEN_MOE_PREFETCH_B…)
+    assert not [ln for ln in lines if "\u2026" in ln]
+    if command in ("run", "audit"):
+        assert "FREETOKEN_MOE_PREFETCH_BUDGET" in p.stdout
 
 
 # ===== thinking =====
