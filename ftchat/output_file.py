@@ -46,6 +46,18 @@ def check_target(path: str | Path, flag: str, force: bool) -> Path:
     return p
 
 
+def check_outside(path: str | Path, folder: Path, flag: str) -> None:
+    """Refuse an existing file of `folder` (the model the run reads) as the output: --force
+    would replace a file of the model itself."""
+    p = Path(path)
+    if not p.exists():
+        return  # a new file: nothing of the model is replaced
+    real = Path(os.path.realpath(p.absolute().parent))  # the parent: a snapshot's files link out
+    if real == Path(os.path.realpath(folder)) or Path(os.path.realpath(folder)) in real.parents:
+        raise FtchatError(f"{flag} {path}: a file of the model folder {folder}; give a file "
+                          "outside it")
+
+
 class OutputFile:
     """A text file written as `<folder>/.<name>.<random>.tmp` and renamed to `path` by `commit`;
     `discard` removes the temporary file. Either one closes it; the second call does nothing."""

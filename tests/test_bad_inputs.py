@@ -90,6 +90,28 @@ def test_record_routing_never_truncates_an_existing_file(tiny_bf16, tmp_path, ca
     assert json.loads(doc.read_text().splitlines()[0])["step"] == 1
 
 
+def test_record_routing_never_replaces_a_file_of_the_model(tiny_bf16, tmp_path, capsys,
+                                                          monkeypatch):
+    model = copy_model(tiny_bf16, tmp_path / "ck")
+    before = snapshot(model)
+    for target in (model / "config.json", model / "sub" / ".." / "tokenizer.json"):
+        (model / "sub").mkdir(exist_ok=True)
+        code, out, err = _main(["run", model, "-p", "hi", "-n", "2", "--record-routing", target,
+                                "--force"], capsys, monkeypatch)
+        # before: --force replaced the model's own config.json with the record
+        clean_error(code, err, f"--record-routing {target}", "a file of the model folder")
+        (model / "sub").rmdir()
+        assert snapshot(model) == before
+    # control: a new file there is no file of the model; --force outside it replaces
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2", "--record-routing",
+                            model / "trace.jsonl"], capsys, monkeypatch)
+    assert code == 0 and (model / "trace.jsonl").is_file(), err
+    (tmp_path / "old.jsonl").write_text("old\n")
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2", "--record-routing",
+                            tmp_path / "old.jsonl", "--force"], capsys, monkeypatch)
+    assert code == 0 and (tmp_path / "old.jsonl").read_text() != "old\n", err
+
+
 def test_record_routing_of_a_failed_run_leaves_no_file(tiny_bf16, tmp_path, capsys, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     long_prompt = "word " * 200

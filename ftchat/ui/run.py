@@ -14,7 +14,7 @@ from ftchat.errors import SettingsError
 from ftchat.model.config import check_context
 from ftchat.model.registry import load_args
 from ftchat.resolve import demo_notice, ResolvedModel, resolve_model
-from ftchat.output_file import check_target
+from ftchat.output_file import check_outside, check_target
 from ftchat.session import Session
 from ftchat.generation_defaults import generation_defaults
 from ftchat.settings import Settings, check_sampling_flags
@@ -51,6 +51,7 @@ def run(model: str | None, settings: Settings, env: Mapping[str, str], stdin: Te
     settings.check_graph()
     if settings.record_routing is not None:  # before loading: never truncate a file
         check_target(settings.record_routing, "--record-routing", settings.force)
+        check_outside(settings.record_routing, resolved.path, "--record-routing")
     apply_threads(settings)
     session = open_session(resolved, settings, screen, interactive, defaults)
     try:
