@@ -79,6 +79,9 @@ def resolve_model(model: str | None, env: Mapping[str, str]) -> ResolvedModel:
     """
     if model is None:
         return ResolvedModel(default_model_path(env), "demo", demo=True)
+    if not model.strip():  # Path("") is the current folder: it would be named ""
+        raise ModelError(f"MODEL {model!r} is empty: give a checkpoint folder or a Hugging Face "
+                         "repo id (or no MODEL for the demo model)")
     path = Path(model).expanduser()
     if path.is_dir():
         return _model_folder(path, model)

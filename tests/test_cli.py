@@ -208,6 +208,8 @@ def corrupt(tiny_nvfp4, tmp_path_factory):
 BAD = [
     ("missing-folder", ["run", "{tmp}/nope"], {}, "hi", "no such model folder",
      ["run", "{model}"], {}),
+    # before: ": not a model folder (config.json: missing)" ("" is the current folder)
+    ("empty-model", ["run", ""], {}, "hi", "MODEL '' is empty", ["run", "{model}"], {}),
     ("corrupt-checkpoint", ["run", "{corrupt}"], {}, "hi", "unreadable safetensors",
      ["run", "{model}"], {}),
     ("unknown-repo-offline", ["run", "nobody/no-such-model"],
