@@ -1,11 +1,11 @@
 """The files and folders a user names on the command line: the one prompt of `--file` (run,
-audit) and the new folder `ftchat synth OUT` writes; each problem one line naming the path."""
+audit), audit's piped prompts and the new folder `ftchat synth OUT` writes; each problem one line
+naming the path (or the stdin line)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-
 from typing import TextIO
 
 from ftchat.errors import FtchatError, UsageError
