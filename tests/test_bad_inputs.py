@@ -556,6 +556,25 @@ def test_an_index_of_the_wrong_shape(tiny_bf16, tmp_path, capsys, monkeypatch, i
     assert code == 0, err  # control: the same folder with its index back
 
 
+@pytest.mark.parametrize("escape", ["parent", "absolute"])
+def test_an_index_naming_a_shard_outside_the_model(tiny_bf16, tmp_path, capsys, monkeypatch,
+                                                   escape):
+    model = copy_model(tiny_bf16, tmp_path / "ck")
+    path = model / "model.safetensors.index.json"
+    good = json.loads(path.read_text())
+    shard = sorted(set(good["weight_map"].values()))[0]
+    (tmp_path / shard).write_bytes((model / shard).read_bytes())  # the same bytes, beside it
+    name = f"../{shard}" if escape == "parent" else str(tmp_path / shard)
+    path.write_text(json.dumps({"weight_map": {k: name if f == shard else f
+                                               for k, f in good["weight_map"].items()}}))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    # before: read the file outside the folder without a word
+    clean_error(code, err, str(path), f"the shard {name!r} is outside the model folder")
+    path.write_text(json.dumps(good))
+    code, out, err = _main(["run", model, "-p", "hi", "-n", "2"], capsys, monkeypatch)
+    assert code == 0, err  # control: the same folder with its own index
+
+
 @pytest.mark.parametrize("where, qc", [("config.json", "nvfp4"), ("config.json", [1]),
                                        ("hf_quant_config.json", []),
                                        ("hf_quant_config.json", {"quantization": 5})])

@@ -10,6 +10,7 @@ which is what the host store holds. Every problem is one ModelError naming the f
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -79,6 +80,10 @@ class Checkpoint:
                     isinstance(f, str) and f for f in weight_map.values()):
                 raise ModelError(f"{idx}: unreadable index (expected \"weight_map\": an object "
                                  "giving each tensor's file name)")
+            outside = next((f for f in weight_map.values() if os.path.isabs(f)
+                            or os.path.normpath(f).split(os.sep)[0] == ".."), None)
+            if outside is not None:  # a model is read from its own folder, nothing beside it
+                raise ModelError(f"{idx}: the shard {outside!r} is outside the model folder")
             files = {name: self.folder / f for name, f in weight_map.items()}
             for name, f in files.items():
                 if not f.is_file():
