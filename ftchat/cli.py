@@ -31,8 +31,7 @@ from ftchat.cli_options import (AuditEvery, BatchSize, Budget, BudgetAttn, Budge
 from ftchat.cli_options import Force, MinP, Think, usage_message
 from ftchat.cli_options import Arms, BenchBudget, BenchContexts, BenchPrefetch, HelpArms, Routing
 from ftchat.cli_options import ServePanel, ServeQuiet
-from ftchat.commands.user_files import (new_folder_parents, read_prompt_file, read_prompt_lines,
-                                        remove_empty)
+from ftchat.commands.user_files import new_folder_parents, read_prompt_file, remove_empty
 from ftchat.errors import (FtchatError, StdoutError, Terminated, UsageError,
                            out_of_memory_message)
 from ftchat.process_io import signal_name, standard_streams, stop_signals
@@ -371,15 +370,16 @@ def audit_cmd(
         raise UsageError("--audit-every and its old name --every give different values: "
                          "give one")
     n = audit_every if audit_every is not None else every if every is not None else 64
-    if n < 1:
-        raise UsageError(f"--audit-every {n}: expected a positive integer")
     from ftchat.debug.audit_command import run_audit
     from ftchat.ui.run import apply_threads
 
     apply_threads(settings)
     texts = [*(prompt or []), *([] if file is None else [read_prompt_file(file)])]
     if not texts and not sys.stdin.isatty():
-        texts = read_prompt_lines(sys.stdin)
+        from ftchat.ui.batch import LineSource  # as run reads it: a bad line is named
+
+        source = LineSource(sys.stdin)
+        texts = [t for line in iter(lambda: source.next(wait=True), None) if (t := line.strip())]
     raise typer.Exit(run_audit(model, settings, os.environ, prompts=texts, every=n,
                                max_new=max_new_tokens, as_json=json, out=sys.stdout,
                                err=sys.stderr))

@@ -20,6 +20,13 @@ class UsageError(FtchatError):
     parser's own usage errors; a failure no flag names (a file, a prompt, the device) exits 1."""
 
 
+def check_positive(*flags: tuple[str, int | None]) -> None:
+    """A usage error naming the first (flag, value) below 1; None is a flag not given."""
+    for flag, n in flags:
+        if n is not None and n < 1:
+            raise UsageError(f"{flag} {n}: expected a positive integer")
+
+
 class SettingsError(UsageError):
     """An invalid flag or environment variable value of the Settings, or one this model or
     machine cannot take: a usage error (exit 2), as the option parser's own."""

@@ -29,7 +29,7 @@ import torch
 
 from ftchat import engine
 from ftchat.engine import Decoder, LoadedModel, build_experts, resident_backend
-from ftchat.errors import FtchatError, UsageError
+from ftchat.errors import FtchatError, UsageError, check_positive
 from ftchat.kernels.config import KernelConfig
 from ftchat.kernels.skip import Skip, parse_skip
 from ftchat.model.expert_backend import ExpertBackend
@@ -196,9 +196,7 @@ def bench_context(m: LoadedModel, arms: dict[str, ArmSpec], ctx: int, base: Sett
                   routing: RoutingSource = MODEL_ROUTING) -> dict:
     """Interleaved arms at one context length; per arm tok/s, misses, prefetch figures.
     `progress(done, total)` after each round (the warm-up round included)."""
-    for flag, n in (("--steps", steps), ("--rounds", rounds)):
-        if n < 1:
-            raise UsageError(f"{flag} {n}: expected a positive integer")
+    check_positive(("--steps", steps), ("--rounds", rounds))
     warm = warm_up_steps(arms, steps)
     tokens = bench_tokens(arms, steps, rounds)
     max_len = ctx + tokens + 2

@@ -17,7 +17,7 @@ from ftchat.commands.bench import ArmSpec, bench_context, bench_tokens, parse_ar
 from ftchat.routing.forced import RoutingSource
 from ftchat.commands.load import load_checked, pin_planned_slots, preflight
 from ftchat.engine import LoadedModel
-from ftchat.errors import FtchatError, UsageError
+from ftchat.errors import FtchatError, UsageError, check_positive
 from ftchat.kernels.config import KernelConfig
 from ftchat.model.synth import FORMATS, MAX_LAYERS
 from ftchat.model.registry import load_args
@@ -56,9 +56,7 @@ def run_bench(model: str | None, settings: Settings, env: Mapping[str, str], arm
               contexts: str | None, steps: int, rounds: int, as_json: bool, out: TextIO,
               err: TextIO, synthetic: Synthetic | None = None, routing: str = "model") -> int:
     """`ftchat bench`: decode tok/s of the arms side by side at each context; the exit code."""
-    for flag, n in (("--steps", steps), ("--rounds", rounds)):
-        if n < 1:
-            raise UsageError(f"{flag} {n}: expected a positive integer")
+    check_positive(("--steps", steps), ("--rounds", rounds))
     source = RoutingSource.parse(routing)  # usage errors before the model loads
     settings.check_graph()
     arm_specs = parse_arms(arms, settings)  # usage errors before the model loads

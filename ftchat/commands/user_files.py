@@ -1,12 +1,10 @@
 """The files and folders a user names on the command line: the one prompt of `--file` (run,
-audit), audit's piped prompts and the new folder `ftchat synth OUT` writes; each problem one line
-naming the path (or the stdin line)."""
+audit) and the new folder `ftchat synth OUT` writes; each problem one line naming the path."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TextIO
 
 from ftchat.errors import FtchatError, UsageError
 from ftchat.sizes import MAX_LINE_BYTES
@@ -36,24 +34,6 @@ def read_prompt_file(path: Path) -> str:
     if not text.strip():  # as --prompt '', but naming the file the prompt came from
         raise UsageError(f"{where}: the file has no text; expected a prompt with some text in it")
     return text.removesuffix("\n")
-
-
-def read_prompt_lines(stream: TextIO) -> list[str]:
-    """The prompts piped to `audit`, one a line, blank lines skipped, read as bytes (as run
-    reads them): a line that is not UTF-8 or is past MAX_LINE_BYTES is one error naming it."""
-    texts = []
-    raw = stream.buffer
-    for n, line in enumerate(iter(lambda: raw.readline(MAX_LINE_BYTES + 1), b""), 1):
-        if len(line) > MAX_LINE_BYTES:  # /dev/zero: never a line break
-            raise FtchatError(f"stdin line {n} is longer than {MAX_LINE_BYTES >> 20} MiB")
-        try:
-            text = line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise FtchatError(f"stdin line {n} is not UTF-8 text ({e})") from None
-        text = (text.removeprefix("\ufeff") if n == 1 else text).strip()
-        if text:
-            texts.append(text)
-    return texts
 
 
 def new_folder_parents(out: Path) -> list[Path]:

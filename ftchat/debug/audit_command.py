@@ -11,7 +11,7 @@ from typing import TextIO
 from ftchat.commands.load import load_checked, pin_planned_slots
 from ftchat.debug.slot_audit import SlotAudit
 from ftchat.engine import LoadedModel, build_experts, generate, num_slots
-from ftchat.errors import FtchatError, UsageError
+from ftchat.errors import FtchatError, UsageError, check_positive
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
 from ftchat.vram.workloads import run_context, verify_workload
@@ -37,10 +37,7 @@ def run_audit(model: str | None, settings: Settings, env: Mapping[str, str], *,
     """`ftchat audit`: load, decode each prompt with the slot audit on (every `every` steps,
     `max_new` tokens a prompt), print what it found; the exit code (1: a bad slot, or no audit
     ran)."""
-    if every < 1:
-        raise UsageError(f"--audit-every {every}: expected a positive integer")
-    if max_new < 1:
-        raise UsageError(f"--max-new-tokens {max_new}: expected a positive integer")
+    check_positive(("--audit-every", every), ("--max-new-tokens", max_new))
     if not prompts:
         raise UsageError("no prompts: give them with --prompt/-p TEXT (repeatable), "
                          "--file/-f FILE or on stdin, one per line")

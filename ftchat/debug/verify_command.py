@@ -44,7 +44,7 @@ from ftchat.debug.slot_audit import SlotAudit
 from ftchat.debug.verifier import Verifier
 from ftchat.debug.watchers import HookChain
 from ftchat.engine import Decoder, LoadedModel, build_experts, decode, generate, num_slots
-from ftchat.errors import FtchatError, UsageError
+from ftchat.errors import FtchatError, UsageError, check_positive
 from ftchat.kernels.routed_experts import DECODE_MAX_TOKENS
 from ftchat.offload.hooks import BackendView
 from ftchat.settings import Settings
@@ -319,10 +319,8 @@ def run_verify(model: str | None, settings: Settings, env: Mapping[str, str], mo
     BatchTooLarge, before the weights load where --slots or --expert-vram gives the count."""
     if mode not in ("meta", "bytes"):
         raise UsageError(f"--mode {mode!r}: expected meta or bytes")
-    for flag, n in (("--prompts", prompts), ("--max-new-tokens", max_new),
-                    ("--audit-every", audit_every), ("--batch", batch)):
-        if n is not None and n < 1:
-            raise UsageError(f"{flag} {n}: expected a positive integer")
+    check_positive(("--prompts", prompts), ("--max-new-tokens", max_new),
+                   ("--audit-every", audit_every), ("--batch", batch))
     if prompts > MAX_PROMPTS:  # they are made and encoded up front: memory
         raise UsageError(f"--prompts {prompts}: expected at most {MAX_PROMPTS:,}; split a longer "
                          "run over calls with --prompt-seed")

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftchat.codecs.rows import RowLayout
-from ftchat.errors import FtchatError, ModelError, UsageError
+from ftchat.errors import FtchatError, ModelError, UsageError, check_positive
 from ftchat.model.checkpoint import Checkpoint
 from ftchat.model.config import ModelArgs, check_context
 from ftchat.model.registry import family_of
@@ -124,9 +124,7 @@ def info_command(model: str | None, vram: list[float] | None, context: str | Non
         if not 0 < gib <= MAX_GIB:  # nan and inf too; past it, the bytes overflow
             raise UsageError(f"--vram {gib}: expected a positive number of GiB, at most "
                              f"{MAX_GIB:,}")
-    for flag, n in (("--batch-size", batch), ("--slots", slots), ("--prefill", prefill)):
-        if n is not None and n < 1:
-            raise UsageError(f"{flag} {n}: expected a positive integer")
+    check_positive(("--batch-size", batch), ("--slots", slots), ("--prefill", prefill))
     if batch is not None and batch > MAX_BATCH:
         raise UsageError(f"--batch-size {batch}: expected 1 to {MAX_BATCH:,}")
     if synthetic is not None and model is not None:
